@@ -1,0 +1,1 @@
+"""Declarative builds of validated ExecuTorch LLM artifacts (see docs/design.md)."""

@@ -1,0 +1,65 @@
+"""Config schemas, registered in Hydra's ConfigStore. Values live in conf/*.yaml."""
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from pipeline.models.transformer import ModelArgs
+
+
+@dataclass
+class ModelConfig(ModelArgs):
+    name: str = MISSING
+    seed: int = 0  # weights are random-initialised from this seed: no downloads
+
+
+@dataclass
+class DraftConfig:
+    name: str = "none"
+
+
+@dataclass
+class VisionConfig:
+    name: str = "none"
+
+
+@dataclass
+class KVConfig:
+    layout: str = "sequence"  # sequence | cell
+    max_seqs: int = 1  # sequences one artifact serves; 1 = solo
+    capacity: int = 128  # sequence: context per sequence; cell: cells in the shared pool
+    max_step_tokens: int = 16  # widest step (prefill chunk) a method accepts
+    causal: bool = True
+    dtype: str = "float32"
+
+
+@dataclass
+class BackendConfig:
+    name: str = "xnnpack"  # xnnpack | portable
+
+
+@dataclass
+class ValidateConfig:
+    tolerance: float = 1e-4  # max |logits - oracle| / (oracle logit range), over every step
+    prompt_lengths: list[int] = field(default_factory=lambda: [37, 9, 23, 50, 5])
+    decode_steps: int = 40
+    seed: int = 0
+
+
+@dataclass
+class BuildConfig:
+    experiment_name: str = "default"
+    stages: list[str] = field(default_factory=lambda: ["export", "lower_kv", "compile", "validate"])
+    output_root: str = "outputs"
+    force: bool = False  # build a new version even when an identical one exists
+    model: ModelConfig = MISSING
+    draft: DraftConfig = MISSING
+    vision: VisionConfig = MISSING
+    kv: KVConfig = MISSING
+    backend: BackendConfig = MISSING
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="build_schema", node=BuildConfig)

@@ -1,0 +1,58 @@
+"""The KV manifest: what a runtime needs to drive an artifact, and nothing else.
+
+Its facts are also published as constant methods of the program
+(``constant_methods``) so that a runtime holding only the .pte agrees with it.
+"""
+
+from pipeline.kv.layouts import KVLayout
+
+SCHEMA_VERSION = 1
+
+
+def kv_section(layout: KVLayout) -> dict:
+    return {
+        "layout": layout.layout,
+        "max_seqs": layout.max_seqs,
+        "max_segments": layout.max_segments,
+        "causal": layout.causal,
+        "columns": layout.columns,
+        "capacity": layout.capacity,
+        "max_step_tokens": layout.max_step_tokens,
+        "dtype": str(layout.dtype).removeprefix("torch."),
+        "n_kv_heads": layout.n_kv_heads,
+        "head_dim": layout.head_dim,
+        "layers": [
+            {"kind": layer.kind, "rows": layer.rows, "window": layer.window, "store_shape": list(layout.store_shape(layer))}
+            for layer in layout.layers
+        ],
+        "step_buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype} for b in layout.step_buffers()],
+        "kv_bytes_per_layer": layout.kv_bytes_per_layer(),
+        "kv_bytes_total": sum(layout.kv_bytes_per_layer()),
+    }
+
+
+def constant_methods(layout: KVLayout) -> dict[str, int]:
+    """A sequence count marks the sequence paths; a cell artifact declares its pool instead."""
+    constants = {
+        "get_offgraph_kv_max_segments": layout.max_segments,
+        "get_offgraph_kv_causal": int(layout.causal),
+        "get_max_step_tokens": layout.max_step_tokens,
+    }
+    if layout.layout == "cell":
+        constants |= {"get_kv_cell_count": layout.capacity, "get_kv_cell_max_seqs": layout.max_seqs}
+    else:
+        constants |= {"get_offgraph_kv_max_seqs": layout.max_seqs, "get_offgraph_kv_seq_capacity": layout.capacity}
+        if "ring" in layout.kinds:
+            constants["get_offgraph_kv_ring_rows"] = layout.rows_of("ring")
+    return constants
+
+
+def manifest(kv: dict, backend: str, program: str, data_files: list[str], methods: dict[str, list[str]]) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "program": program,
+        "data_files": data_files,
+        "backend": backend,
+        "methods": methods,  # method -> its input names in order
+        "target": kv,
+    }

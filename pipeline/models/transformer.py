@@ -1,0 +1,178 @@
+"""A Llama-family decoder whose attention calls the neutral KV op.
+
+RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings and
+sliding-window (ring) layers by pattern. Tokens of every sequence in a step
+share one token axis (B = 1); which sequence a token belongs to is not a model
+input: it reaches the KV store through step buffers added by ``lower_kv``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.kv.op import LayerKV, default_scale
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 512
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden_dim: int = 176
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    sliding_window: int = 0  # keys a ring layer sees, counting the query itself
+    layer_pattern: str = "F"  # repeated over layers: F = flat (global), R = ring (sliding window)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def layer_kv(self) -> list[LayerKV]:
+        kinds = (self.layer_pattern * self.n_layers)[: self.n_layers]
+        return [LayerKV(window=self.sliding_window if kind == "R" else 0) for kind in kinds]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [1, T, H, D]  cos/sin: [T, D/2]; rotate interleaved halves (Llama's rotate_half form)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
+        _, n_tok, _ = x.shape
+        q = rope(self.wq(x).view(1, n_tok, self.n_heads, self.head_dim), cos, sin)
+        k = rope(self.wk(x).view(1, n_tok, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(1, n_tok, self.n_kv_heads, self.head_dim)
+        # q: [1, Hq, T, D]  k, v: [1, Hkv, T, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = torch.ops.kvcache.update_and_attend(
+            q, k, v, position.view(-1, 1), self.layer_id, default_scale(self.head_dim)
+        )
+        return self.wo(out.transpose(1, 2).reshape(1, n_tok, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer_id)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, position)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        inv_freq = 1.0 / args.rope_base ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        # tokens: [T] -> [1, T, dim]
+        return self.tok_embeddings(tokens)[None]
+
+    def hidden(self, embeddings: Tensor, positions: Tensor) -> Tensor:
+        # embeddings: [1, T, dim]  positions: [T] -> normed hidden [T, dim]
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        h = embeddings
+        for layer in self.layers:
+            h = layer(h, cos, sin, positions)
+        return self.norm(h)[0]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [R, dim] -> [R, vocab]
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(hidden, weight).float()
+
+
+def build_model(args: ModelArgs, seed: int) -> Transformer:
+    """Random-initialised from ``seed``: same seed, same weights, on any machine."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Transformer(args)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.eval().requires_grad_(False)
+
+
+# --- methods of a solo artifact: thin views that torch.export traces one by one ---
+
+
+class EmbedText(nn.Module):
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model.embed(tokens)
+
+
+class ForwardFromEmbeddings(nn.Module):
+    """A step of any width; logits only for ``logit_rows`` (the tokens a sampler reads)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeddings: Tensor, positions: Tensor, logit_rows: Tensor) -> Tensor:
+        return self.model.logits(self.model.hidden(embeddings, positions)[logit_rows])
+
+
+class DecodeFromEmbedding(nn.Module):
+    """One token per sequence; logits for every token."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeddings: Tensor, positions: Tensor) -> Tensor:
+        return self.model.logits(self.model.hidden(embeddings, positions))

@@ -1,0 +1,147 @@
+"""LowerOffGraphKVPass: the neutral KV op becomes an explicit store and attention.
+
+For every ``kvcache::update_and_attend(q, k, v, position, layer, scale)``:
+
+    slots   = (position % rows) * columns + seq_cols        sequence layouts (solo: seq_cols = 0)
+            = cell_ids                                      cell layout
+    K_l     = index_copy_(K_l, 0, slots, k)                 store: mutable buffer [rows*columns, Hkv, D]
+    V_l     = index_copy_(V_l, 0, slots, v)
+    out     = sdpa_varlen(q, K_l, V_l, position, seq_cols, seq_info_<kind>, columns, scale, causal, window)
+            = sdpa_cells(q, K_l, V_l, position, q_seq_bits, cell_pos, cell_owners, scale, causal, window)
+
+The step buffers (``KVLayout.step_buffers``) become trailing inputs of the
+method, filled by the runtime each step; nothing derived from them is a
+constant. The rewritten graph is exported again so the stores are lifted as
+mutable buffers. A node that cannot be rewritten fails the build.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+
+from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_varlen / sdpa_cells)
+from pipeline.kv.layouts import KVLayout
+
+NEUTRAL_OP = torch.ops.kvcache.update_and_attend.default
+STORE_MODULE = "kv_store"  # stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
+
+aten = torch.ops.aten
+
+
+class LoweringError(RuntimeError):
+    pass
+
+
+@dataclass
+class MethodInputs:
+    """What re-exporting a method needs: example args and their dynamic shapes."""
+
+    args: tuple
+    dynamic_shapes: tuple
+    token_dim: object  # the torch.export.Dim of the step's token axis, or None when static
+
+
+def count_neutral(ep: ExportedProgram) -> int:
+    return sum(1 for n in ep.graph.nodes if n.op == "call_function" and n.target == NEUTRAL_OP)
+
+
+def _example_step_buffers(layout: KVLayout, n_tokens: int) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        torch.zeros([n_tokens if d == "n_tokens" else d for d in buf.shape], dtype=torch.int64)
+        for buf in layout.step_buffers()
+    )
+
+
+def lower_offgraph_kv(
+    ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs,
+    sdpa_varlen=torch.ops.kvcache.sdpa_varlen.default,
+) -> ExportedProgram:
+    """Rewrite every neutral KV node of ``ep``; ``sdpa_varlen`` picks the kernel (ATen or Triton)."""
+    if count_neutral(ep) == 0:
+        raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
+    unlifted = ep.module()
+    graph = fx.Graph()
+    env = graph.graph_copy(unlifted.graph, {})  # plain positional code, no pytree input guard
+    graph.output(env)
+    gm = fx.GraphModule(unlifted, graph)
+    stores = nn.Module()
+    gm.add_module(STORE_MODULE, stores)
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        step = {buf.name: graph.placeholder(buf.name) for buf in reversed(layout.step_buffers())}
+
+    targets = [n for n in graph.nodes if n.op == "call_function" and n.target == NEUTRAL_OP]
+    slots_by_kind: dict[str, fx.Node] = {}
+    for node in targets:
+        q, k, v, position, layer_id, scale = node.args
+        if not isinstance(layer_id, int) or not 0 <= layer_id < len(layout.layers):
+            raise LoweringError(f"{node.name}: layer_id={layer_id!r} is not a layer of the model (0..{len(layout.layers) - 1})")
+        layer = layout.layers[layer_id]
+        for name, ref in (("q", q), ("k", k), ("v", v)):
+            val = ref.meta.get("val")
+            if val is None or val.dim() != 4 or val.shape[0] != 1:
+                raise LoweringError(f"{node.name}: {name} must be [1, H, T, D] with a known shape, got {getattr(val, 'shape', None)}")
+        if k.meta["val"].shape[1] != layout.n_kv_heads or k.meta["val"].shape[-1] != layout.head_dim:
+            raise LoweringError(
+                f"{node.name}: k has {k.meta['val'].shape[1]} heads of dim {k.meta['val'].shape[-1]}, "
+                f"the layout stores {layout.n_kv_heads} of dim {layout.head_dim}"
+            )
+        shape = layout.store_shape(layer)
+        stores.register_buffer(f"k_{layer_id}", torch.zeros(shape, dtype=layout.dtype))
+        stores.register_buffer(f"v_{layer_id}", torch.zeros(shape, dtype=layout.dtype))
+
+        with graph.inserting_before(node):
+            call = graph.call_function
+            pos = call(aten.view.default, (position, [-1]))  # [T]
+            if layer.kind not in slots_by_kind:
+                if layout.layout == "cell":
+                    slots_by_kind[layer.kind] = step["cell_ids"]
+                else:
+                    row = call(aten.remainder.Scalar, (pos, layer.rows))
+                    slots = call(aten.mul.Scalar, (row, layout.columns))
+                    if "seq_cols" in step:
+                        slots = call(aten.add.Tensor, (slots, step["seq_cols"]))
+                    slots_by_kind[layer.kind] = slots
+            slots = slots_by_kind[layer.kind]
+
+            def tokens_first(x):  # [1, H, T, D] -> [T, H, D]
+                return call(aten.permute.default, (call(aten.select.int, (x, 0, 0)), [1, 0, 2]))
+
+            def to_store(x, like):
+                return x if like.meta["val"].dtype == layout.dtype else call(aten._to_copy.default, (x,), {"dtype": layout.dtype})
+
+            k_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
+            v_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
+            q_tok = tokens_first(q)
+            if layout.layout == "cell":
+                out = call(torch.ops.kvcache.sdpa_cells.default, (
+                    q_tok, k_store, v_store, pos, step["q_seq_bits"], step["cell_pos"], step["cell_owners"],
+                    scale, layout.causal, layer.window))
+            else:
+                cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
+                out = call(sdpa_varlen, (
+                    q_tok, k_store, v_store, pos, cols, step[f"seq_info_{layer.kind}"],
+                    layout.columns, scale, layout.causal, layer.window))
+            out = call(aten.unsqueeze.default, (call(aten.permute.default, (out, [1, 0, 2])), 0))  # [1, Hq, T, Dv]
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+
+    graph.eliminate_dead_code()
+    gm.recompile()
+    if any(n.op == "call_function" and n.target == NEUTRAL_OP for n in gm.graph.nodes):
+        raise LoweringError("kvcache::update_and_attend nodes remain after lowering")
+
+    n_tokens = inputs.args[1].shape[0]  # positions [T]
+    args = inputs.args + _example_step_buffers(layout, n_tokens)
+    dyn = inputs.dynamic_shapes + tuple(
+        {0: inputs.token_dim} if buf.shape[0] == "n_tokens" and inputs.token_dim is not None else None
+        for buf in layout.step_buffers()
+    )
+    with torch.no_grad():
+        lowered = torch.export.export(gm, args, dynamic_shapes=dyn, strict=False)
+    if count_neutral(lowered):
+        raise LoweringError("kvcache::update_and_attend nodes remain after re-export")
+    return lowered

@@ -1,0 +1,199 @@
+"""The runner: checks the config, runs the stages in order, owns the output
+directory and the build record.
+
+A build works in ``outputs/<experiment>/.building-<id>/`` and becomes the next
+version ``outputs/<experiment>/vNNNN/`` only when every stage succeeded, so a
+failed or interrupted build never leaves a version that looks complete (a
+failed one is kept under ``.failed/`` to inspect). An existing version built
+from the same config, sources and tools is reused instead of rebuilt.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.stages import check_order
+
+SRC = Path(__file__).resolve().parent
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def check_config(cfg: DictConfig):
+    """Everything that can be rejected before any file is written."""
+    from pipeline.kv.layouts import build_layout
+    from pipeline.stages.compile import BACKENDS
+    from pipeline.stages.export import model_args
+
+    plan = check_order(list(cfg.stages))
+    build_layout(cfg.kv, model_args(cfg.model))
+    if cfg.backend.name not in BACKENDS:
+        raise BuildError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
+    for group in ("draft", "vision"):
+        if cfg[group].name != "none":
+            raise BuildError(f"{group}={cfg[group].name} is not supported yet; use {group}=none")
+    return plan
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tool_versions() -> dict:
+    import executorch
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "executorch": getattr(executorch, "__version__", "unknown")}
+    try:
+        from importlib.metadata import version
+
+        versions["triton"] = version("triton")
+        versions["executorch"] = version("executorch")
+    except Exception:
+        versions.setdefault("triton", "not installed")
+    return versions
+
+
+def _git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=SRC, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(SRC)], cwd=SRC, capture_output=True, text=True).stdout
+        return rev + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(SRC.rglob("*.py")):
+        digest.update(str(path.relative_to(SRC)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def build_key(cfg: DictConfig) -> dict:
+    """What decides the artifact: the resolved config (minus where it goes), sources, tools."""
+    what = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("output_root", "force"):
+        what.pop(key, None)
+    config_hash = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    return {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
+
+
+def _existing(exp_dir: Path, key: dict) -> Path | None:
+    for version in sorted(exp_dir.glob("v[0-9]*"), reverse=True):
+        try:
+            record = json.loads((version / "build.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if all(record.get(k) == v for k, v in key.items()):
+            return version
+    return None
+
+
+def _publish(work: Path, exp_dir: Path) -> Path:
+    """Rename the finished work dir to the next free version; never overwrite one."""
+    while True:
+        numbers = [int(p.name[1:]) for p in exp_dir.glob("v[0-9]*") if p.name[1:].isdigit()]
+        target = exp_dir / f"v{max(numbers, default=0) + 1:04d}"
+        try:
+            os.rename(work, target)  # fails if target exists: another build took the number
+            return target
+        except OSError:
+            if target.exists():
+                continue
+            raise
+
+
+def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictConfig | None = None) -> Path:
+    plan = check_config(cfg)
+    exp_dir = Path(cfg.output_root) / cfg.experiment_name
+    key = build_key(cfg)
+    if not cfg.force and (existing := _existing(exp_dir, key)):
+        print(f"up to date: {existing} was built from the same config, sources and tools (force=true rebuilds)")
+        return existing
+
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    work = exp_dir / f".building-{uuid.uuid4().hex[:8]}"
+    work.mkdir()
+    try:
+        record = _run_stages(cfg, plan, work, key, overrides or [], hydra_cfg)
+    except BaseException:
+        failed = exp_dir / ".failed" / f"{time.strftime('%Y%m%d-%H%M%S')}-{work.name.removeprefix('.building-')}"
+        failed.parent.mkdir(exist_ok=True)
+        shutil.move(str(work), failed)
+        print(f"build failed; partial outputs kept for inspection in {failed} (not a version)")
+        raise
+    version = _publish(work, exp_dir)
+    _summary(version, record)
+    return version
+
+
+def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cfg) -> dict:
+    (work / ".hydra").mkdir()
+    OmegaConf.save(cfg, work / ".hydra" / "config.yaml", resolve=True)
+    (work / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
+    if hydra_cfg is not None:
+        OmegaConf.save(hydra_cfg, work / ".hydra" / "hydra.yaml")
+    artifacts: dict = {}
+    timings = {}
+    for i, stage in enumerate(plan, 1):
+        print(f"[{i}/{len(plan)}] {stage.name}", flush=True)
+        start = time.perf_counter()
+        inputs = {name: artifacts[name] for name in stage.needs}
+        outputs = stage.load()(*(cfg[s] for s in stage.sections), inputs, work)
+        timings[stage.name] = round(time.perf_counter() - start, 3)
+        print(f"      {stage.name} done in {timings[stage.name]:.1f} s", flush=True)
+        artifacts.update(outputs)
+    record = {
+        **key,
+        "experiment": cfg.experiment_name,
+        "stages": [s.name for s in plan],
+        "stage_seconds": timings,
+        "total_seconds": round(sum(timings.values()), 3),
+        "git_revision": _git_revision(),
+        "inputs": _input_hashes(artifacts),
+        "artifacts": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                      for p in sorted(work.iterdir()) if p.is_file()},
+    }
+    if "kv_manifest" in artifacts:
+        record["kv_bytes_per_layer"] = artifacts["kv_manifest"]["kv_bytes_per_layer"]
+        record["kv_bytes_total"] = artifacts["kv_manifest"]["kv_bytes_total"]
+    if "validation" in artifacts:
+        record["validation_passed"] = artifacts["validation"]["passed"]
+    (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _input_hashes(artifacts: dict) -> dict:
+    if "model" not in artifacts:
+        return {}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(artifacts["model"].state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return {"model_weights_sha256": digest.hexdigest()}
+
+
+def _summary(version: Path, record: dict) -> None:
+    print(f"built {version} in {record['total_seconds']:.1f} s")
+    for name, info in record["artifacts"].items():
+        if name.endswith((".pte", ".ptd")):
+            print(f"  {name}: {info['bytes'] / 1e6:.2f} MB")
+    if "validation_passed" in record:
+        report = json.loads((version / "validation.json").read_text())
+        print(f"  validation: {'PASSED' if report['passed'] else 'FAILED'} "
+              f"(max relative error {report['max_relative_error']:.2e}, tolerance {report['tolerance']:.0e})")
+    else:
+        print("  validation: not run (no validate stage)")

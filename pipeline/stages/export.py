@@ -1,0 +1,54 @@
+"""export: the eager model and its methods, traced with the neutral KV op.
+
+gives: model (the eager oracle and its args), exported ({method: (ExportedProgram, MethodInputs)})
+"""
+
+import torch
+from torch.export import Dim
+
+from pipeline.config import ModelConfig
+from pipeline.models.transformer import DecodeFromEmbedding, EmbedText, ForwardFromEmbeddings, ModelArgs, build_model
+from pipeline.passes.lower_offgraph_kv import MethodInputs
+
+
+def model_args(model_cfg) -> ModelArgs:
+    fields = {k: model_cfg[k] for k in ModelArgs.__dataclass_fields__}
+    return ModelArgs(**fields)
+
+
+def _dim(name: str, upper: int):
+    # A dimension that can only be 1 is exported static: torch.export rejects min == max.
+    return Dim(name, min=1, max=upper) if upper > 1 else None
+
+
+def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int) -> dict[str, MethodInputs]:
+    n_tokens, n_seqs = _dim("n_tokens", max_step_tokens), _dim("n_seqs", max_seqs)
+    step = max_step_tokens if n_tokens is not None else 1
+    width = max_seqs if n_seqs is not None else 1
+    embeddings = torch.zeros(1, step, args.dim)
+    return {
+        "embed_text": MethodInputs((torch.zeros(step, dtype=torch.int64),), ({0: n_tokens},), n_tokens),
+        "forward_from_embeddings": MethodInputs(
+            (embeddings, torch.arange(step), torch.arange(width)),
+            ({1: n_tokens}, {0: n_tokens}, {0: n_seqs}), n_tokens),
+        "decode_from_embedding": MethodInputs(
+            (torch.zeros(1, width, args.dim), torch.arange(width)),
+            ({1: n_seqs}, {0: n_seqs}), n_seqs),
+    }
+
+
+def run(model_cfg: ModelConfig, kv_cfg, inputs: dict, workdir) -> dict:
+    args = model_args(model_cfg)
+    model = build_model(args, model_cfg.seed)
+    views = {
+        "embed_text": EmbedText(model),
+        "forward_from_embeddings": ForwardFromEmbeddings(model),
+        "decode_from_embedding": DecodeFromEmbedding(model),
+    }
+    exported = {}
+    for name, spec in method_inputs(args, kv_cfg.max_step_tokens, kv_cfg.max_seqs).items():
+        print(f"  export {name}", flush=True)
+        with torch.no_grad():
+            ep = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
+        exported[name] = (ep, spec)
+    return {"model": model, "exported": exported}

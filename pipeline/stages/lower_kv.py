@@ -1,0 +1,20 @@
+"""lower_kv: LowerOffGraphKVPass on every method that attends; the KV manifest.
+
+needs: model, exported    gives: layout, lowered ({method: ExportedProgram}), kv_manifest
+"""
+
+from pipeline.kv.layouts import build_layout
+from pipeline.kv.manifest import kv_section
+from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
+
+
+def run(kv_cfg, inputs: dict, workdir) -> dict:
+    layout = build_layout(kv_cfg, inputs["model"].args)
+    lowered = {}
+    for name, (ep, spec) in inputs["exported"].items():
+        if count_neutral(ep) == 0:
+            lowered[name] = ep  # embed_text reads no cache
+            continue
+        print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {layout.layout} store + attention", flush=True)
+        lowered[name] = lower_offgraph_kv(ep, layout, spec)
+    return {"layout": layout, "lowered": lowered, "kv_manifest": kv_section(layout)}
