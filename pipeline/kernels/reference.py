@@ -32,17 +32,20 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> T
     # q: [T, Hq, D]  k: [T, N, Hkv, D]  v: [T, N, Hkv, Dv]  visible: [T, N] bool
     n_tok, n_heads, _ = q.shape
     group = n_heads // k.shape[2]
-    qf = q.float().reshape(n_tok, k.shape[2], group, q.shape[-1])  # [T, Hkv, G, D]
-    kf = k.float().permute(0, 2, 3, 1)  # [T, Hkv, D, N]
-    vf = v.float().permute(0, 2, 1, 3)  # [T, Hkv, N, Dv]
+    qf = _f32(q).reshape(n_tok, k.shape[2], group, q.shape[-1])  # [T, Hkv, G, D]
+    kf = _f32(k).permute(0, 2, 3, 1)  # [T, Hkv, D, N]
+    vf = _f32(v).permute(0, 2, 1, 3)  # [T, Hkv, N, Dv]
     scores = torch.matmul(qf, kf) * scale  # [T, Hkv, G, N]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = torch.exp(scores - peak)  # masked keys give exp(-inf) = 0
-    denom = weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    out = torch.matmul(weights, vf) / denom  # [T, Hkv, G, Dv]
+    visible = visible[:, None, None, :]
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    # a query that sees no key gets zeros, not the NaN of an all -inf softmax
+    weights = torch.where(visible.any(dim=-1, keepdim=True), weights, torch.zeros_like(weights))
+    out = torch.matmul(weights, vf)  # [T, Hkv, G, Dv]
     return out.reshape(n_tok, n_heads, v.shape[-1]).to(q.dtype)
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def _window_causal(visible: Tensor, key_pos: Tensor, q_pos: Tensor, causal: bool, window: int) -> Tensor:

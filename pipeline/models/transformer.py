@@ -38,6 +38,11 @@ class ModelArgs:
         return [LayerKV(window=self.sliding_window if kind == "R" else 0) for kind in kinds]
 
 
+def _f32(x: Tensor) -> Tensor:
+    # skipping a no-op cast keeps it out of the exported graph, where it splits delegate partitions
+    return x if x.dtype == torch.float32 else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -45,15 +50,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        x32 = _f32(x)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight if x.dtype != torch.float32 else normed * self.weight
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [1, T, H, D]  cos/sin: [T, D/2]; rotate interleaved halves (Llama's rotate_half form)
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = _f32(x).chunk(2, dim=-1)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).type_as(x)
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -130,7 +137,7 @@ class Transformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         # hidden: [R, dim] -> [R, vocab]
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(hidden, weight).float()
+        return _f32(F.linear(hidden, weight))
 
 
 def build_model(args: ModelArgs, seed: int) -> Transformer:

@@ -137,7 +137,7 @@ def lower_offgraph_kv(
     n_tokens = inputs.args[1].shape[0]  # positions [T]
     args = inputs.args + _example_step_buffers(layout, n_tokens)
     dyn = inputs.dynamic_shapes + tuple(
-        {0: inputs.token_dim} if buf.shape[0] == "n_tokens" and inputs.token_dim is not None else None
+        {0: inputs.token_dim} if buf.shape[0] == "n_tokens" else None
         for buf in layout.step_buffers()
     )
     with torch.no_grad():

@@ -11,6 +11,7 @@ from executorch.exir.passes import MemoryPlanningPass
 
 from pipeline.kernels.reference import ATEN_DECOMPOSITIONS
 from pipeline.kv.manifest import constant_methods, manifest
+from pipeline.passes.common_subexpressions import merge_common_subexpressions
 
 BACKENDS = ("xnnpack", "portable")
 
@@ -30,6 +31,8 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     parts = partitioners(backend_cfg.name)
     # CPU backends have no kernel for the attention custom ops: inline their ATen bodies.
     programs = {name: ep.run_decompositions(ATEN_DECOMPOSITIONS) for name, ep in lowered.items()}
+    for ep in programs.values():
+        merge_common_subexpressions(ep.graph_module)
     print(f"  to_edge_transform_and_lower ({backend_cfg.name}): {', '.join(programs)}", flush=True)
     edge = to_edge_transform_and_lower(programs, partitioner=parts, constant_methods=constant_methods(layout))
     print("  to_executorch", flush=True)

@@ -18,7 +18,7 @@ def model_args(model_cfg) -> ModelArgs:
 
 def _dim(name: str, upper: int):
     # A dimension that can only be 1 is exported static: torch.export rejects min == max.
-    return Dim(name, min=1, max=upper) if upper > 1 else None
+    return Dim(name, min=1, max=upper) if upper > 1 else Dim.STATIC
 
 
 def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int) -> dict[str, MethodInputs]:

@@ -1,0 +1,286 @@
+"""Tests of the Triton ``kvcache::sdpa_varlen_triton`` against the ATen reference
+and a float64 reference written here.
+
+On a machine without a GPU the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``, set below before triton is imported).  With
+``SDPA_VARLEN_NATIVE=1`` (and a CUDA device) they run compiled on the GPU, on
+CUDA tensors, with larger head dims as well.
+"""
+
+import os
+
+NATIVE = os.environ.get("SDPA_VARLEN_NATIVE") == "1"
+if not NATIVE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+except Exception as exc:  # pragma: no cover - triton is a pinned dependency
+    pytest.skip(f"triton cannot be imported: {exc}", allow_module_level=True)
+
+from pipeline.kernels import sdpa_varlen as K  # noqa: E402
+from pipeline.kernels.reference import sdpa_varlen_reference  # noqa: E402
+
+# max |out - ref| allowed against the float64 reference, by dtype
+TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+DEVICE = "cuda" if NATIVE else "cpu"
+# small splits so that tests exercise the split + merge path
+SMALL = dict(block_n=16, target_ctas=64, min_chunk=16)
+
+_INTERPRETED = type(K._sdpa_varlen_fwd).__name__ == "InterpretedFunction"
+# The kernel module may have been imported (compiled mode) by an earlier test
+# module before TRITON_INTERPRET was set: then run this file in a fresh process.
+_RERUN = not NATIVE and not _INTERPRETED
+
+if NATIVE and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("SDPA_VARLEN_NATIVE=1 needs a CUDA device", allow_module_level=True)
+
+
+def test_in_fresh_process_if_needed():
+    if not _RERUN:
+        pytest.skip("kernels already run in the interpreter in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+
+
+needs_kernels = pytest.mark.skipif(_RERUN, reason="run in a fresh process (see test_in_fresh_process_if_needed)")
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty():
+    """torch.empty fills new memory with NaN (floats) / max int: unwritten outputs
+    and uninitialised scratch show up."""
+    old_det = torch.are_deterministic_algorithms_enabled()
+    old_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(old_det)
+    torch.utils.deterministic.fill_uninitialized_memory = old_fill
+
+
+# ------------------------------------------------------------------ problem maker
+def make_step(seqs, *, columns, rows, hq, hkv, d, dv=None, extra_segments=2, dtype=torch.float32,
+              seed=0, device=DEVICE):
+    """seqs: list of dicts with col, n_keys, start_row, first_pos, n_q and
+    optionally q_first (position of the first query token; default: the last
+    n_q key positions).  A run of keys that passes the last row wraps to row 0
+    (two segments)."""
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    k = torch.randn(rows * columns, hkv, d, generator=g).to(dtype)
+    v = torch.randn(rows * columns, hkv, dv, generator=g).to(dtype)
+    segs, q_cols, q_pos = [], [], []
+    for s in seqs:
+        n, r0, p0 = s["n_keys"], s.get("start_row", 0), s.get("first_pos", 0)
+        first = min(n, rows - r0)
+        if first > 0:
+            segs.append([s["col"], r0, first, p0])
+        if n - first > 0:
+            segs.append([s["col"], 0, n - first, p0 + first])
+        qf = s.get("q_first", p0 + n - s["n_q"])
+        q_cols += [s["col"]] * s["n_q"]
+        q_pos += list(range(qf, qf + s["n_q"]))
+    for _ in range(extra_segments):  # unused rows: row_count == 0, junk elsewhere
+        segs.append([int(torch.randint(0, columns, (1,), generator=g)), 3, 0, 77])
+    perm = torch.randperm(len(segs), generator=g).tolist()
+    seq_info = torch.tensor([segs[i] for i in perm], dtype=torch.int64)
+    t = len(q_cols)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    args = [q, k, v, torch.tensor(q_pos, dtype=torch.int64), torch.tensor(q_cols, dtype=torch.int64), seq_info]
+    return [a.to(device) for a in args]
+
+
+def ref64(q, k, v, q_pos, q_cols, seq_info, columns, scale, causal, window):
+    """Straightforward float64 reference, token by token."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    q_pos, q_cols, seq_info = q_pos.cpu(), q_cols.cpu(), seq_info.cpu()
+    t, hq, _ = q.shape
+    g = hq // k.shape[1]
+    out = torch.zeros(t, hq, v.shape[-1], dtype=torch.float64)
+    for i in range(t):
+        slots, kpos = [], []
+        for col, r0, cnt, p0 in seq_info.tolist():
+            if cnt > 0 and col == int(q_cols[i]):
+                rows = torch.arange(r0, r0 + cnt)
+                slots.append(rows * columns + col)
+                kpos.append(p0 + rows - r0)
+        if not slots:
+            continue
+        slots, kpos = torch.cat(slots), torch.cat(kpos)
+        keep = torch.ones_like(kpos, dtype=torch.bool)
+        if causal:
+            keep &= kpos <= int(q_pos[i])
+        if window > 0:
+            keep &= int(q_pos[i]) - kpos < window
+        idx = slots[keep]
+        if idx.numel() == 0:
+            continue
+        kh = k[idx].repeat_interleave(g, 1)  # [n, hq, d]
+        vh = v[idx].repeat_interleave(g, 1)
+        s = torch.einsum("hd,nhd->hn", q[i], kh) * scale
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vh)
+    return out
+
+
+def check(args, columns, causal, window, scale=None, expect_split=None, **kw):
+    q = args[0]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, plan = K.sdpa_varlen_triton_impl(*args, columns, scale, causal, window, return_plan=True, **kw)
+    ref = sdpa_varlen_reference(*args, columns, scale, causal, window)
+    r64 = ref64(*args, columns, scale, causal, window)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert torch.isfinite(out.float()).all(), "unwritten (NaN-poisoned) or non-finite output"
+    tol = TOL[q.dtype]
+    err64 = (out.double().cpu() - r64).abs().max().item()
+    err_ref = (out.float() - ref.float()).abs().max().item()
+    assert err64 <= tol, f"max err vs float64 {err64} > {tol}"
+    assert err_ref <= 2 * tol, f"max err vs sdpa_varlen_reference {err_ref} > {2 * tol}"
+    n_split = int(plan[2])
+    if expect_split is not None:
+        assert (n_split > 0) == expect_split, f"split blocks: {n_split}"
+    return out, r64, n_split
+
+
+MIXED = [
+    # prefill chunk of 7 over a ring that wraps (rows 30..47 then 0..21)
+    dict(col=3, n_keys=40, start_row=30, first_pos=200, n_q=7),
+    # decode
+    dict(col=0, n_keys=33, start_row=0, first_pos=0, n_q=1),
+    # a column with no segment: sees nothing
+    dict(col=1, n_keys=0, n_q=2, q_first=5),
+    # decode at a position before every key: sees nothing when causal
+    dict(col=4, n_keys=25, start_row=10, first_pos=50, n_q=1, q_first=40),
+    # draft block of 3 over a wrapped ring
+    dict(col=2, n_keys=45, start_row=40, first_pos=7, n_q=3),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [0, 6])
+def test_mixed_step(hq, hkv, causal, window):
+    args = make_step(MIXED, columns=5, rows=48, hq=hq, hkv=hkv, d=16, seed=hq * 10 + window + causal)
+    out, r64, n_split = check(args, 5, causal, window, expect_split=True if window == 0 else None, **SMALL)
+    t_nothing = [i for i, c in enumerate(args[4].tolist()) if c == 1]
+    assert out[t_nothing].abs().max() == 0  # no key: zeros
+    if causal:
+        t_before = [i for i, c in enumerate(args[4].tolist()) if c == 4]
+        assert out[t_before].abs().max() == 0
+
+
+@needs_kernels
+def test_default_tuning_no_split():
+    args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=3)
+    check(args, 5, True, 0, expect_split=False)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtypes_dv(dtype):
+    seqs = [dict(col=1, n_keys=70, start_row=50, first_pos=3, n_q=5),
+            dict(col=0, n_keys=20, start_row=2, first_pos=9, n_q=1)]
+    args = make_step(seqs, columns=2, rows=80, hq=4, hkv=1, d=32, dv=16, dtype=dtype, seed=7)
+    check(args, 2, True, 0, expect_split=True, **SMALL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 1, 20])
+def test_long_prefill_blocks_and_window(window):
+    # 40 query tokens (several query blocks, not aligned to the block size),
+    # history in a wrapped ring, non-causal and causal
+    seqs = [dict(col=0, n_keys=90, start_row=70, first_pos=1000, n_q=40),
+            dict(col=1, n_keys=12, start_row=0, first_pos=0, n_q=12)]
+    args = make_step(seqs, columns=2, rows=96, hq=2, hkv=1, d=16, seed=11 + window)
+    check(args, 2, True, window, **SMALL)
+    check(args, 2, False, window, **SMALL)
+
+
+@needs_kernels
+def test_fuzz():
+    g = torch.Generator().manual_seed(123)
+    for trial in range(4):
+        columns, rows = 4, 40
+        hkv = [1, 2][trial % 2]
+        hq = hkv * [1, 2, 4][trial % 3]
+        seqs = []
+        cols = torch.randperm(columns, generator=g).tolist()[: 3]
+        for col in cols:
+            n = int(torch.randint(0, rows + 1, (1,), generator=g))
+            n_q = int(torch.randint(1, 9, (1,), generator=g))
+            seqs.append(dict(col=col, n_keys=n, start_row=int(torch.randint(0, rows, (1,), generator=g)),
+                             first_pos=int(torch.randint(0, 50, (1,), generator=g)), n_q=n_q,
+                             q_first=int(torch.randint(0, 100, (1,), generator=g))))
+        args = make_step(seqs, columns=columns, rows=rows, hq=hq, hkv=hkv, d=16, seed=trial)
+        causal = bool(trial % 2)
+        window = [0, 9][trial // 2 % 2]
+        check(args, columns, causal, window, **SMALL)
+
+
+@needs_kernels
+def test_registered_op_and_fake():
+    args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=5)
+    out = torch.ops.kvcache.sdpa_varlen_triton(*args, 5, 0.25, True, 0)
+    ref = sdpa_varlen_reference(*args, 5, 0.25, True, 0)
+    assert (out - ref).abs().max().item() <= TOL[torch.float32]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) for a in args]
+        fo = torch.ops.kvcache.sdpa_varlen_triton(*fake, 5, 0.25, True, 0)
+    assert tuple(fo.shape) == tuple(ref.shape) and fo.dtype == ref.dtype
+
+
+NATIVE_CASES = [(d, dt, 8, 2) for d in (64, 128, 256) for dt in (torch.bfloat16, torch.float32)]
+NATIVE_CASES += [(128, torch.bfloat16, 4, 4), (128, torch.bfloat16, 32, 8), (128, torch.bfloat16, 64, 8)]
+
+
+@pytest.mark.skipif(not NATIVE, reason="compiled-kernel test: set SDPA_VARLEN_NATIVE=1 on a CUDA machine")
+@pytest.mark.parametrize("d,dtype,hq,hkv", NATIVE_CASES)
+def test_native_head_dims(d, dtype, hq, hkv):
+    seqs = [dict(col=5, n_keys=700, start_row=600, first_pos=31, n_q=150),  # prefill chunk, wrapped
+            dict(col=0, n_keys=1000, start_row=0, first_pos=0, n_q=1),
+            dict(col=2, n_keys=333, start_row=900, first_pos=5, n_q=16),  # draft block, wrapped
+            dict(col=3, n_keys=0, n_q=1, q_first=3)]
+    args = make_step(seqs, columns=6, rows=1024, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=d + hq)
+    for causal, window in [(True, 0), (False, 0), (True, 100)]:
+        check(args, 6, causal, window)
+        check(args, 6, causal, window, block_n=64, target_ctas=512, min_chunk=64,
+              expect_split=True if window == 0 else None)
+
+
+@needs_kernels
+def test_export_keeps_op():
+    args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=5)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, qp, qc, si):
+            return torch.ops.kvcache.sdpa_varlen_triton(q, k, v, qp, qc, si, 5, 0.25, True, 0) * 2
+
+    ep = torch.export.export(M(), tuple(args))
+    assert "kvcache.sdpa_varlen_triton" in ep.graph_module.code
+    assert (ep.module()(*args) - M()(*args)).abs().max().item() == 0
+
+
+@pytest.mark.skipif(not NATIVE, reason="inductor codegen of the Triton kernels needs CUDA")
+def test_native_torch_compile_dynamic():
+    # inductor traces into the triton_op (as AOTInductor does): symbolic T in the grid
+    fn = torch.compile(lambda *a: torch.ops.kvcache.sdpa_varlen_triton(*a, 6, 0.1, True, 0), dynamic=True, fullgraph=True)
+    for n_q in (5, 9):
+        seqs = [dict(col=5, n_keys=300, start_row=900, first_pos=31, n_q=n_q),
+                dict(col=0, n_keys=100, start_row=0, first_pos=0, n_q=1)]
+        args = make_step(seqs, columns=6, rows=1024, hq=8, hkv=2, d=64, dtype=torch.bfloat16, seed=n_q)
+        out = fn(*args)
+        ref = ref64(*args, 6, 0.1, True, 0)
+        assert (out.double().cpu() - ref).abs().max().item() <= TOL[torch.bfloat16]
