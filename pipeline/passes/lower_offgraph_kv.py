@@ -40,7 +40,7 @@ class MethodInputs:
 
     args: tuple
     dynamic_shapes: tuple
-    token_dim: object  # the torch.export.Dim of the step's token axis, or None when static
+    token_dim: object  # the torch.export.Dim of the step's token axis (Dim.STATIC when it can only be 1)
 
 
 def count_neutral(ep: ExportedProgram) -> int:
@@ -64,7 +64,7 @@ def lower_offgraph_kv(
     unlifted = ep.module()
     graph = fx.Graph()
     env = graph.graph_copy(unlifted.graph, {})  # plain positional code, no pytree input guard
-    graph.output(env)
+    graph.output(env[0] if isinstance(env, (tuple, list)) and len(env) == 1 else env)  # a single output stays single
     gm = fx.GraphModule(unlifted, graph)
     stores = nn.Module()
     gm.add_module(STORE_MODULE, stores)

@@ -23,8 +23,7 @@ def _dim(name: str, upper: int):
 
 def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int) -> dict[str, MethodInputs]:
     n_tokens, n_seqs = _dim("n_tokens", max_step_tokens), _dim("n_seqs", max_seqs)
-    step = max_step_tokens if n_tokens is not None else 1
-    width = max_seqs if n_seqs is not None else 1
+    step, width = max_step_tokens, max_seqs  # examples at the upper bounds
     embeddings = torch.zeros(1, step, args.dim)
     return {
         "embed_text": MethodInputs((torch.zeros(step, dtype=torch.int64),), ({0: n_tokens},), n_tokens),

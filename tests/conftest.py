@@ -1,0 +1,39 @@
+"""Fixtures compose the real config tree (conf/) and build real artifacts once per session."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline.config import register
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+register()
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory):
+    """Build a config once per test session; returns the version directory."""
+    from pipeline.runner import build
+
+    built = {}
+
+    def _build(*overrides: str) -> Path:
+        if overrides not in built:
+            root = tmp_path_factory.mktemp("outputs")
+            built[overrides] = build(compose_config(f"output_root={root}", *overrides))
+        return built[overrides]
+
+    return _build
+
+
+# Layouts the layout tests build; portable compiles fastest (no delegate partitioning).
+BATCHED = ("kv=sequence", "kv.max_seqs=4", "backend=portable", "experiment_name=batched4")
+CELL = ("kv=cell", "kv.max_seqs=3", "backend=portable", "experiment_name=cell3")

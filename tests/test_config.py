@@ -1,0 +1,73 @@
+"""Config composition of every option and experiment, and bad input on the command line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF, compose_config
+
+GROUPS = ["model", "draft", "vision", "kv", "backend", "experiment"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(CONF) / g).glob("*.yaml"))]
+
+
+def test_defaults():
+    cfg = compose_config()
+    assert cfg.model.name == "tiny" and cfg.kv.layout == "sequence" and cfg.kv.max_seqs == 1
+    assert cfg.backend.name == "xnnpack" and cfg.draft.name == "none" and cfg.vision.name == "none"
+    assert list(cfg.stages) == ["export", "lower_kv", "compile", "validate"]
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_every_option_composes_and_checks(group, option):
+    from pipeline.runner import check_config
+
+    cfg = compose_config(f"{group}={option}")
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    check_config(cfg)  # every shipped option is buildable
+
+
+def test_experiment_holds_only_its_differences():
+    cfg = compose_config("experiment=batched8")
+    assert cfg.experiment_name == "batched8" and cfg.kv.max_seqs == 8 and cfg.kv.layout == "sequence"
+    assert compose_config("experiment=cell4").kv.layout == "cell"
+    assert compose_config("experiment=portable_flat").backend.name == "portable"
+
+
+def test_issue_example_override_accepted():
+    cfg = compose_config("kv=sequence", "kv.max_seqs=1", "model=tiny", "stages=[export,lower_kv,compile]")
+    assert list(cfg.stages) == ["export", "lower_kv", "compile"]
+
+
+def test_schema_rejects_wrong_type():
+    with pytest.raises(Exception, match="max_seqs"):
+        compose_config("kv.max_seqs=lots")
+
+
+BAD_INPUT = [
+    (["kv=foo"], ["kv=foo", "cell", "sequence"]),
+    (["kv.max_seqs=0"], ["kv.max_seqs=0", "at least 1"]),
+    (["kv.capacity=-5"], ["kv.capacity=-5", "positive"]),
+    (["stages=[export,frobnicate]"], ["frobnicate", "export, lower_kv, compile, validate"]),
+    (["stages=[compile,export]"], ["'compile' needs", "lower_kv", "before it"]),
+    (["kv=cell", "kv.max_seqs=64"], ["kv.max_seqs=64", "63", "kv=sequence"]),
+    (["kv.capacity=8", "kv.max_step_tokens=8"], ["model.sliding_window=16", "kv.capacity=8"]),
+    (["kv=cell", "kv.max_seqs=40"], ["kv.max_seqs=40", "kv.capacity=512"]),
+    (["backend=cuda"], ["backend=cuda", "portable", "xnnpack"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_one_line_error_no_version(tmp_path, args, needles):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0]
+    assert list(tmp_path.iterdir()) == [], "a rejected config must not create output directories"

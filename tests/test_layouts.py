@@ -1,0 +1,49 @@
+"""Layout index math and the checks of the kv config."""
+
+import pytest
+
+from conftest import compose_config
+from pipeline.kv.layouts import KVConfigError, build_layout, sequence_segments
+from pipeline.stages.export import model_args
+
+
+def layout(*overrides):
+    cfg = compose_config(*overrides)
+    return build_layout(cfg.kv, model_args(cfg.model))
+
+
+def test_segments_flat_and_wrapped():
+    assert sequence_segments(0, 10, 2) == []
+    assert sequence_segments(7, 10, 2) == [(2, 0, 7, 0)]
+    assert sequence_segments(10, 10, 0) == [(0, 0, 10, 0)]
+    # positions 3..12 live in rows 3..9 then 0..2
+    assert sequence_segments(13, 10, 1) == [(1, 3, 7, 3), (1, 0, 3, 10)]
+    assert sequence_segments(20, 10, 0) == [(0, 0, 10, 10)]
+
+
+def test_layouts_from_config():
+    solo = layout()
+    assert solo.layout == "sequence" and solo.columns == 1 and solo.max_segments == 2
+    assert [(x.kind, x.rows) for x in solo.layers] == [("ring", 31), ("flat", 128)] * 2
+    batched = layout("kv.max_seqs=8")
+    assert batched.layout == "batched-sequence" and batched.columns == 8 and batched.max_segments == 16
+    assert batched.store_shape(batched.layers[1]) == (128 * 8, 2, 16)
+    assert [b.name for b in batched.step_buffers()] == ["seq_cols", "seq_info_flat", "seq_info_ring"]
+    cell = layout("kv=cell")
+    assert cell.layout == "cell" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
+    assert [b.name for b in cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
+    # K and V, 4 layers: 2 * rows * columns * Hkv * D * 4 bytes
+    assert batched.kv_bytes_per_layer() == [2 * r * 8 * 2 * 16 * 4 for r in (31, 128, 31, 128)]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (("kv.max_seqs=0",), "kv.max_seqs=0"),
+    (("kv.capacity=-1",), "kv.capacity=-1"),
+    (("kv.max_step_tokens=0",), "kv.max_step_tokens=0"),
+    (("kv=cell", "kv.max_seqs=64"), "limit of 63"),
+    (("kv=cell", "kv.max_seqs=33"), "cell pool allows"),
+    (("kv.capacity=12", "kv.max_step_tokens=4"), "sliding_window=16"),
+])
+def test_bad_kv_config(overrides, needle):
+    with pytest.raises(KVConfigError, match=needle):
+        layout(*overrides)

@@ -1,0 +1,131 @@
+"""LowerOffGraphKVPass: node counts, step buffers as inputs, numbers against the oracle,
+and a pinned summary of each layout's lowered graph."""
+
+import collections
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config
+from pipeline.kv.layouts import build_layout, sequence_segments
+from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
+from pipeline.stages import export
+
+GOLDEN = Path(__file__).parent / "golden"
+LAYOUTS = {
+    "sequence": (),
+    "batched-sequence": ("kv.max_seqs=4",),
+    "cell": ("kv=cell", "kv.max_seqs=3"),
+}
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    out = {}
+    for name, overrides in LAYOUTS.items():
+        cfg = compose_config(*overrides)
+        exported = export.run(cfg.model, cfg.kv, {}, None)
+        layout = build_layout(cfg.kv, exported["model"].args)
+        ep, spec = exported["exported"]["forward_from_embeddings"]
+        out[name] = (exported["model"], layout, ep, lower_offgraph_kv(ep, layout, spec))
+    return out
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_neutral_node_lowered(lowered, name):
+    _, layout, before, after = lowered[name]
+    assert count_neutral(before) == 4
+    assert count_neutral(after) == 0
+    user_inputs = list(after.graph_signature.user_inputs)
+    assert user_inputs[:3] == ["embeddings", "positions", "logit_rows"]
+    assert user_inputs[3:] == [b.name for b in layout.step_buffers()], "every step buffer is a method input"
+    stores = {n: tuple(t.shape) for n, t in after.state_dict.items() if n.startswith("kv_store.")}
+    assert len(stores) == 2 * len(layout.layers)
+    planned = sum(t.numel() * t.element_size() for n, t in after.state_dict.items() if n.startswith("kv_store."))
+    assert planned == sum(layout.kv_bytes_per_layer())
+
+
+def test_pass_fails_loudly_without_neutral_op(lowered):
+    from pipeline.passes.lower_offgraph_kv import LoweringError
+
+    _, layout, _, after = lowered["sequence"]
+    with pytest.raises(LoweringError, match="no kvcache::update_and_attend"):
+        lower_offgraph_kv(after, layout, None)
+
+
+def summary(ep) -> dict:
+    ops = collections.Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+    return {
+        "ops": dict(sorted(ops.items())),
+        "buffers": {n: list(t.shape) for n, t in sorted(ep.state_dict.items()) if n.startswith("kv_store.")},
+        "inputs": list(ep.graph_signature.user_inputs),
+    }
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_lowered_graph_summary_is_pinned(lowered, name):
+    """Adding or changing one layout must not change what another one lowers to."""
+    got = summary(lowered[name][3])
+    path = GOLDEN / f"lowered_{name}.json"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(path.read_text()), f"{name} lowering changed; if intended, rerun with UPDATE_GOLDEN=1"
+
+
+def _oracle_logits(model, tokens, start, cache):
+    with reference_cache(cache), torch.no_grad():
+        return model.logits(model.hidden(model.embed(torch.tensor(tokens)), torch.arange(start, start + len(tokens)))[-1:])[0]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_lowered_numbers_equal_oracle(lowered, name):
+    """Two sequences prefilled in one step, then decoded together, against per-sequence eager caches."""
+    model, layout, _, after = lowered[name]
+    module = after.module()
+    gen = torch.Generator().manual_seed(1)
+    prompts = {0: torch.randint(0, 512, (9,), generator=gen).tolist(), 1: torch.randint(0, 512, (6,), generator=gen).tolist()}
+    caches = {s: ReferenceCache(model.args.layer_kv(), layout.causal) for s in prompts}
+    lengths = {0: 0, 1: 0}
+    cells = iter(range(layout.capacity))
+    cell_pos = torch.zeros(layout.capacity, dtype=torch.int64)
+    cell_owners = torch.zeros(layout.capacity, dtype=torch.int64)
+    slots = {0: 0, 1: 1} if layout.layout != "sequence" else None
+    seqs = [0, 1] if slots else [0]
+    feeds_per_step = [{s: prompts[s] for s in seqs}, {s: [7] for s in seqs}, {s: [11] for s in seqs}]
+    for feeds in feeds_per_step:
+        tokens, positions, cols, ids, bits = [], [], [], [], []
+        for s, toks in feeds.items():
+            for t in toks:
+                tokens.append(t)
+                positions.append(lengths[s])
+                cols.append(s)
+                if layout.layout == "cell":
+                    c = next(cells)
+                    cell_pos[c], cell_owners[c] = lengths[s], 1 << s
+                    ids.append(c)
+                    bits.append(1 << s)
+                lengths[s] += 1
+        step = {"seq_cols": torch.tensor(cols), "cell_ids": torch.tensor(ids), "q_seq_bits": torch.tensor(bits),
+                "cell_pos": cell_pos.clone(), "cell_owners": cell_owners.clone()}
+        for kind in layout.kinds:
+            info = torch.zeros(layout.max_segments, 4, dtype=torch.int64)
+            runs = [r for s in feeds for r in sequence_segments(lengths[s], layout.rows_of(kind), s)]
+            info[: len(runs)] = torch.tensor(runs)
+            step[f"seq_info_{kind}"] = info
+        last = torch.tensor(list(itertools_accumulate([len(t) for t in feeds.values()])))
+        got = module(model.embed(torch.tensor(tokens)), torch.tensor(positions), last,
+                     *[step[b.name] for b in layout.step_buffers()])
+        for i, (s, toks) in enumerate(feeds.items()):
+            want = _oracle_logits(model, toks, lengths[s] - len(toks), caches[s])
+            assert torch.allclose(got[i], want, atol=1e-4 * float(want.max() - want.min()), rtol=0)
+
+
+def itertools_accumulate(counts):
+    total = 0
+    for n in counts:
+        total += n
+        yield total - 1
