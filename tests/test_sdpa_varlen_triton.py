@@ -242,8 +242,8 @@ def test_registered_op_and_fake():
     assert tuple(fo.shape) == tuple(ref.shape) and fo.dtype == ref.dtype
 
 
-NATIVE_CASES = [(d, dt, 8, 2) for d in (64, 128, 256) for dt in (torch.bfloat16, torch.float32)]
-NATIVE_CASES += [(128, torch.bfloat16, 4, 4), (128, torch.bfloat16, 32, 8), (128, torch.bfloat16, 64, 8)]
+NATIVE_CASES = [(d, torch.bfloat16, 8, 2) for d in (64, 128, 256)] + [(d, torch.float32, 8, 2) for d in (128, 256)]
+NATIVE_CASES += [(128, torch.bfloat16, 4, 4), (128, torch.bfloat16, 32, 8)]
 
 
 @pytest.mark.skipif(not NATIVE, reason="compiled-kernel test: set SDPA_VARLEN_NATIVE=1 on a CUDA machine")
@@ -254,7 +254,8 @@ def test_native_head_dims(d, dtype, hq, hkv):
             dict(col=2, n_keys=333, start_row=900, first_pos=5, n_q=16),  # draft block, wrapped
             dict(col=3, n_keys=0, n_q=1, q_first=3)]
     args = make_step(seqs, columns=6, rows=1024, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=d + hq)
-    for causal, window in [(True, 0), (False, 0), (True, 100)]:
+    combos = [(True, 0), (False, 0), (True, 100)] if dtype != torch.float32 else [(True, 100)]
+    for causal, window in combos:
         check(args, 6, causal, window)
         check(args, 6, causal, window, block_n=64, target_ctas=512, min_chunk=64,
               expect_split=True if window == 0 else None)

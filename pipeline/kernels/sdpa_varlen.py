@@ -420,7 +420,10 @@ def sdpa_varlen_triton_impl(
     dv = v_store.shape[-1]
     g = hq // hkv
     g_pad = _next_pow2(g)
-    shrink = max(1, max(d, dv) // 128)
+    # key tiles are tuned for 2-byte elements and D <= 128: shrink for more bytes per key
+    shrink = max(1, max(d, dv) * q.element_size() // 256)
+    dec_stages = DEC_STAGES if q.element_size() <= 2 else 2
+    pre_stages = PRE_STAGES if q.element_size() <= 2 else 2
     bn_dec = block_n if block_n is not None else max(16, DEC_BLOCK_N // shrink)
     bn_pre = block_n if block_n is not None else max(16, PRE_BLOCK_N // shrink)
     bn_max = max(bn_dec, bn_pre)
@@ -463,15 +466,19 @@ def sdpa_varlen_triton_impl(
         columns, scale * _LOG2E, window, nb_max,
     )
     fwd_kw = dict(
-        G=g, G_PAD=g_pad, D=d, DV=dv, BLOCK_M=block_m, M_DEC=m_dec, BN_DEC=bn_dec, BN_PRE=bn_pre,
+        G=g, G_PAD=g_pad, D=d, DV=dv, BLOCK_M=block_m, M_DEC=m_dec,
         CAUSAL=causal, HAS_WINDOW=has_window, IEEE=ieee, UPCAST=_interpreted() and q.dtype == torch.bfloat16,
         NBF=_NBF, HDR=_HDR,
     )
     if SPLIT_LAUNCH:
-        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=1, **fwd_kw, num_warps=DEC_WARPS, num_stages=DEC_STAGES)
-        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=2, **fwd_kw, num_warps=PRE_WARPS, num_stages=PRE_STAGES)
+        # the tile of the other path is passed equal to this one's: no extra specialisations
+        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=1, BN_DEC=bn_dec, BN_PRE=bn_dec, **fwd_kw,
+                                             num_warps=DEC_WARPS, num_stages=dec_stages)
+        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=2, BN_DEC=bn_pre, BN_PRE=bn_pre, **fwd_kw,
+                                             num_warps=PRE_WARPS, num_stages=pre_stages)
     else:
-        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=0, **fwd_kw, num_warps=PRE_WARPS, num_stages=PRE_STAGES)
+        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=0, BN_DEC=bn_dec, BN_PRE=bn_pre, **fwd_kw,
+                                             num_warps=PRE_WARPS, num_stages=pre_stages)
     wrap(_merge_kernel)[(target_items, hkv)](
         out, plan, part_o, part_ml, out.stride(0), out.stride(1), nb_max,
         w_max, G=g, G_PAD=g_pad, DV=dv, BLOCK_M=block_m, NBF=_NBF, HDR=_HDR,

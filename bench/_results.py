@@ -1,0 +1,16 @@
+"""Each benchmark owns one section of docs/benchmarks.md, between markers."""
+
+import re
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun it to refresh.\n"
+
+
+def write_section(name: str, body: str) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else HEADER
+    block = f"<!-- {name} -->\n{body.strip()}\n<!-- /{name} -->"
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    RESULTS.write_text(text)
+    print(f"wrote section '{name}' of {RESULTS}")

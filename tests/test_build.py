@@ -1,0 +1,98 @@
+"""The whole default build through the runner, and the layouts' builds with their episodes."""
+
+import json
+
+import torch
+
+from conftest import BATCHED, CELL
+from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.runner import build
+
+
+def test_default_build(build_dir):
+    version = build_dir()
+    assert version.name == "v0001" and version.parent.name == "default"
+    for name in ("model.pte", "manifest.json", "build.json", "validation.json", ".hydra/config.yaml", ".hydra/overrides.yaml"):
+        assert (version / name).exists(), name
+    record = json.loads((version / "build.json").read_text())
+    assert set(record["stage_seconds"]) == {"export", "lower_kv", "compile", "validate"}
+    assert record["tools"]["executorch"] == "1.5.1" and record["tools"]["torch"].startswith("2.")
+    assert record["artifacts"]["model.pte"]["bytes"] == (version / "model.pte").stat().st_size
+    assert record["validation_passed"] is True
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert manifest["backend"] == "xnnpack"
+    kv = manifest["target"]
+    # KV bytes: the build record, the manifest's formula and its per-layer store shapes agree
+    formula = [2 * layer["rows"] * kv["columns"] * kv["n_kv_heads"] * kv["head_dim"] * 4 for layer in kv["layers"]]
+    shapes = [2 * layer["store_shape"][0] * layer["store_shape"][1] * layer["store_shape"][2] * 4 for layer in kv["layers"]]
+    assert record["kv_bytes_per_layer"] == formula == shapes and record["kv_bytes_total"] == sum(formula)
+
+
+def test_program_matches_oracle_directly(build_dir):
+    """Independent of the validate stage: load the .pte and compare one prefill with the eager model."""
+    from executorch.runtime import Runtime
+
+    from pipeline.models.transformer import ModelArgs, build_model
+    from conftest import compose_config
+    from pipeline.stages.export import model_args
+
+    version = build_dir()
+    cfg = compose_config()
+    model = build_model(model_args(cfg.model), cfg.model.seed)
+    program = Runtime.get().load_program(str(version / "model.pte"))
+    tokens = torch.randint(0, cfg.model.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    emb = program.load_method("embed_text").execute([tokens])[0]
+    seq_info = torch.tensor([[0, 0, 12, 0], [0, 0, 0, 0]])
+    got = program.load_method("forward_from_embeddings").execute([emb, torch.arange(12), torch.tensor([11]), seq_info, seq_info])[0]
+    with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():
+        want = model.logits(model.hidden(model.embed(tokens), torch.arange(12))[-1:])
+    assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-4
+
+
+def test_unchanged_config_builds_nothing(build_dir, capsys):
+    from conftest import compose_config
+
+    version = build_dir()
+    again = build(compose_config(f"output_root={version.parent.parent}"))
+    assert again == version
+    assert "up to date" in capsys.readouterr().out
+    assert sorted(p.name for p in version.parent.iterdir() if not p.name.startswith(".")) == ["v0001"]
+
+
+def test_failed_build_leaves_no_version(tmp_path, monkeypatch):
+    import pytest
+
+    from conftest import compose_config
+    from pipeline.stages import validate
+
+    def broken(*args, **kwargs):
+        raise validate.ValidationFailed("validation failed: forced")
+
+    monkeypatch.setattr(validate, "run", broken)
+    with pytest.raises(validate.ValidationFailed):
+        build(compose_config(f"output_root={tmp_path}", "backend=portable", "model=tiny_flat"))
+    exp = tmp_path / "default"
+    assert [p.name for p in exp.iterdir()] == [".failed"]
+
+
+def _episode(version):
+    return json.loads((version / "validation.json").read_text())
+
+
+def test_batched_sequence_build(build_dir):
+    version = build_dir(*BATCHED)
+    kv = json.loads((version / "manifest.json").read_text())["target"]
+    assert (kv["layout"], kv["max_seqs"], kv["max_segments"], kv["causal"]) == ("batched-sequence", 4, 8, True)
+    report = _episode(version)
+    assert report["passed"] and report["max_relative_error"] < 1e-5
+    scenario = report["scenario"]
+    assert scenario["max_live"] == 4 and len(scenario["sequences"]) == 5 and scenario["mixed_steps"] > 0
+    assert max(s["prompt_tokens"] + s["decoded"] for s in scenario["sequences"]) > kv["layers"][0]["rows"], "rings wrap"
+
+
+def test_cell_build(build_dir):
+    version = build_dir(*CELL)
+    kv = json.loads((version / "manifest.json").read_text())["target"]
+    assert (kv["layout"], kv["max_seqs"], kv["max_segments"]) == ("cell", 3, 6)
+    report = _episode(version)
+    assert report["passed"] and report["scenario"]["max_live"] == 3

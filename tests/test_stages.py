@@ -1,0 +1,80 @@
+"""Each stage alone, in order, on the default config; validate proven able to fail."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import compose_config
+from pipeline.passes.lower_offgraph_kv import count_neutral
+from pipeline.stages import check_order, StageOrderError
+from pipeline.stages import compile as compile_stage
+from pipeline.stages import export, lower_kv, validate
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    cfg = compose_config("backend=portable")
+    work = tmp_path_factory.mktemp("stages")
+    out = {"cfg": cfg, "work": work}
+    out["export"] = export.run(cfg.model, cfg.kv, {}, work)
+    out["lower_kv"] = lower_kv.run(cfg.kv, out["export"], work)
+    out["compile"] = compile_stage.run(cfg.backend, {**out["export"], **out["lower_kv"]}, work)
+    return out
+
+
+def test_export_alone(staged):
+    exported = staged["export"]["exported"]
+    assert set(exported) == {"embed_text", "forward_from_embeddings", "decode_from_embedding"}
+    assert count_neutral(exported["embed_text"][0]) == 0
+    assert count_neutral(exported["forward_from_embeddings"][0]) == 4
+
+
+def test_lower_kv_alone(staged):
+    out = staged["lower_kv"]
+    assert all(count_neutral(ep) == 0 for ep in out["lowered"].values())
+    assert out["kv_manifest"]["layout"] == "sequence" and out["kv_manifest"]["max_seqs"] == 1
+
+
+def test_compile_alone_writes_program_and_manifest(staged):
+    from executorch.runtime import Runtime
+
+    work = staged["work"]
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert manifest["program"] == "model.pte" and manifest["backend"] == "portable"
+    kv = manifest["target"]
+    assert (kv["layout"], kv["max_seqs"], kv["max_segments"], kv["causal"]) == ("sequence", 1, 2, True)
+    assert manifest["methods"]["forward_from_embeddings"] == ["embeddings", "positions", "logit_rows", "seq_info_flat", "seq_info_ring"]
+    program = Runtime.get().load_program(str(work / "model.pte"))
+    assert program.load_method("get_offgraph_kv_max_seqs").execute([])[0] == 1
+    assert program.load_method("get_offgraph_kv_max_segments").execute([])[0] == 2
+
+
+def test_validate_alone_passes(staged):
+    report = validate.run(staged["cfg"].validate, staged["cfg"].kv, staged["export"], staged["work"])["validation"]
+    assert report["passed"] and report["max_relative_error"] < 1e-5
+    assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
+
+
+def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
+    """The program was compiled from the true weights; an oracle that disagrees must fail the build."""
+    model = copy.deepcopy(staged["export"]["model"])
+    with torch.no_grad():
+        model.layers[1].attention.wv.weight.add_(1e-2 * torch.randn_like(model.layers[1].attention.wv.weight))
+    for name in ("model.pte", "manifest.json"):
+        (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
+    with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):
+        validate.run(staged["cfg"].validate, staged["cfg"].kv, {"model": model}, tmp_path)
+    report = json.loads((tmp_path / "validation.json").read_text())
+    assert report["passed"] is False and report["max_relative_error"] > report["tolerance"]
+
+
+def test_stage_order_checks():
+    assert [s.name for s in check_order(["export", "lower_kv", "compile"])] == ["export", "lower_kv", "compile"]
+    with pytest.raises(StageOrderError, match="'lower_kv' needs"):
+        check_order(["lower_kv", "export"])
+    with pytest.raises(StageOrderError, match="not a stage"):
+        check_order(["export", "quantize"])
+    with pytest.raises(StageOrderError, match="twice"):
+        check_order(["export", "export"])
