@@ -74,6 +74,7 @@ def _plan_kernel(
     items = blk + NB_MAX * NBF
     marks = items + W_MAX
     split_blk = marks + W_MAX
+    recs = split_blk + TARGET
     # P0: clear the per-column segment table and the item marks.
     for base in range(0, columns, CH):
         c = base + offs
@@ -195,14 +196,31 @@ def _plan_kernel(
         n_split += tl.sum(is_split.to(tl.int32), 0)
     n_items = tl.minimum(n_items, W_MAX)
     tl.debug_barrier()
-    # P5: block of each item = (number of block starts <= item) - 1.
+    # P5: block of each item = (number of block starts <= item) - 1; one
+    # self-contained record per item, so that a program needs one level of loads.
     run = tl.full([], 0, tl.int32)
     for base in range(0, n_items, CH):
         w = base + offs
         wv = w < n_items
         mk = tl.load(marks + w, mask=wv, other=0, volatile=True)
-        tl.store(items + w, run + tl.cumsum(mk, 0) - 1, mask=wv)
+        b = run + tl.cumsum(mk, 0) - 1
         run += tl.sum(mk, 0)
+        tl.store(items + w, b, mask=wv)
+        bp = blk + b * NBF
+        n0 = tl.load(bp + 3, mask=wv, other=0, volatile=True)
+        n1 = tl.load(bp + 6, mask=wv, other=0, volatile=True)
+        istart = tl.load(bp + 9, mask=wv, other=0, volatile=True)
+        bps = tl.load(bp + 10, mask=wv, other=-1, volatile=True)
+        sp = w - istart
+        kstart = sp * chunk
+        kend = tl.minimum(kstart + chunk, n0 + n1)
+        rp = recs + w * NBF
+        for f in tl.static_range(0, 8):
+            tl.store(rp + f, tl.load(bp + f, mask=wv, other=0, volatile=True), mask=wv)
+        tl.store(rp + 8, kstart, mask=wv)
+        tl.store(rp + 9, kend, mask=wv)
+        tl.store(rp + 10, tl.where(bps >= 0, bps + sp, -1), mask=wv)
+        tl.store(rp + 11, tl.load(bp + 11, mask=wv, other=0, volatile=True), mask=wv)
     tl.store(plan + 0, nb)
     tl.store(plan + 1, n_items)
     tl.store(plan + 2, n_split)
@@ -297,7 +315,7 @@ def _attend(
 def _sdpa_varlen_fwd(
     q, k, v, out, q_pos, plan, part_o, part_ml,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    columns, scale_log2, window, NB_MAX,
+    columns, scale_log2, window, REC_OFF,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr,
     MODE: tl.constexpr,  # 0: all blocks, 1: one-token blocks only, 2: multi-token blocks only
@@ -306,28 +324,21 @@ def _sdpa_varlen_fwd(
 ):
     p = tl.program_id(0)
     h = tl.program_id(1)
+    # all loads independent of each other: the item record (p < W_MAX is in bounds)
     n_items = tl.load(plan + 1)
+    rp = plan + REC_OFF + p * NBF
+    tok0 = tl.load(rp + 0)
+    ntok = tl.load(rp + 1)
+    row0 = tl.load(rp + 2)
+    n0 = tl.load(rp + 3)
+    pos0 = tl.load(rp + 4)
+    row1 = tl.load(rp + 5)
+    pos1 = tl.load(rp + 7)
+    kstart = tl.load(rp + 8)
+    kend = tl.load(rp + 9)
+    pslot = tl.load(rp + 10)
+    col = tl.load(rp + 11)
     if p < n_items:
-        chunk = tl.load(plan + 3)
-        blk = plan + HDR
-        b = tl.load(blk + NB_MAX * NBF + p)
-        bp = blk + b * NBF
-        tok0 = tl.load(bp + 0)
-        ntok = tl.load(bp + 1)
-        row0 = tl.load(bp + 2)
-        n0 = tl.load(bp + 3)
-        pos0 = tl.load(bp + 4)
-        row1 = tl.load(bp + 5)
-        n1 = tl.load(bp + 6)
-        pos1 = tl.load(bp + 7)
-        istart = tl.load(bp + 9)
-        pslot = tl.load(bp + 10)
-        col = tl.load(bp + 11)
-        sp = p - istart
-        kstart = sp * chunk
-        kend = tl.minimum(kstart + chunk, n0 + n1)
-        if pslot >= 0:
-            pslot = pslot + sp
         if ntok == 1:
             # one token: the trimmed key range is exactly the visible one
             if MODE != 2:
@@ -446,7 +457,8 @@ def sdpa_varlen_triton_impl(
     p_max = 2 * target_items
 
     out = q.new_empty(n_tok, hq, dv)
-    plan = torch.empty(_HDR + nb_max * _NBF + 2 * w_max + target_items, dtype=torch.int32, device=q.device)
+    rec_off = _HDR + nb_max * _NBF + 2 * w_max + target_items
+    plan = torch.empty(rec_off + w_max * _NBF, dtype=torch.int32, device=q.device)
     col_seg = torch.empty(2 * columns, dtype=torch.int32, device=q.device)
     part_o = torch.empty(p_max * hkv * block_m * dv, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(p_max * hkv * block_m * 2, dtype=torch.float32, device=q.device)
@@ -463,7 +475,7 @@ def sdpa_varlen_triton_impl(
         q, k_store, v_store, out, q_pos, plan, part_o, part_ml,
         q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
         v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
-        columns, scale * _LOG2E, window, nb_max,
+        columns, scale * _LOG2E, window, rec_off,
     )
     fwd_kw = dict(
         G=g, G_PAD=g_pad, D=d, DV=dv, BLOCK_M=block_m, M_DEC=m_dec,
