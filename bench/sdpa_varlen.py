@@ -399,19 +399,23 @@ FLEX_CASES = {"32/8 D128 decode uniform B=16 L=8192", "32/8 D128 prefill chunk=2
 
 
 SWEEP_DEC = [dict(DEC_BLOCK_N=bn, DEC_WARPS=w, DEC_STAGES=st, TARGET_CTAS=t)
-             for bn, w, st, t in [(64, 4, 3, 528), (64, 4, 2, 528), (128, 4, 3, 528), (128, 8, 3, 528),
-                                  (32, 4, 4, 528), (64, 4, 3, 1056)]]
+             for bn, w, st, t in [(32, 4, 4, 528), (64, 4, 2, 528), (32, 4, 4, 1056), (32, 4, 4, 1584),
+                                  (64, 4, 2, 1056), (32, 4, 3, 1056)]]
+SWEEP_DEC.append(dict(SPLIT_LAUNCH=False, PRE_STAGES=3))
 SWEEP_PRE = [dict(PRE_BLOCK_M=bm, PRE_BLOCK_N=bn, PRE_WARPS=w, PRE_STAGES=st)
-             for bm, bn, w, st in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)]]
+             for bm, bn, w, st in [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2), (64, 32, 4, 4)]]
 
 
 def sweep():
     hq, hkv, d = HEADS[0]
     base = {n: getattr(K, n) for n in ("DEC_BLOCK_N", "DEC_WARPS", "DEC_STAGES", "PRE_BLOCK_M", "PRE_BLOCK_N",
                                         "PRE_WARPS", "PRE_STAGES", "TARGET_CTAS", "SPLIT_LAUNCH")}
+    lens = lognormal_lengths(256, 2048, 4 * 2048)
     dec_cases = [Work("decode B=1 L=128k", hq, hkv, d, [(131072, 1, 0)], True),
                  Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
-                 Work("decode B=256 L=2k", hq, hkv, d, [(2048, 1, 0)] * 256, True)]
+                 Work("decode B=256 L=2k", hq, hkv, d, [(2048, 1, 0)] * 256, True),
+                 Work("skewed B=256 L~2k", hq, hkv, d, [(n, 1, 0) for n in lens], True, rows=max(lens)),
+                 Work("decode B=4 L=32k", hq, hkv, d, [(32768, 1, 0)] * 4, True)]
     pre_cases = [Work("draft16 B=8 L=8k", hq, hkv, d, [(8192, 16, 0)] * 8, False),
                  Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True),
                  Work("prefill 8k hist 0", hq, hkv, d, [(8192, 8192, 0)], True)]
@@ -436,7 +440,7 @@ def sweep():
                     line.append(f"{w.name}: err {type(e).__name__} {str(e)[:120]}")
                 torch.cuda.empty_cache()
             log(f"sweep {var}: " + " | ".join(line))
-            report.append(f"| {var} | " + " | ".join(line) + " |")
+            report.append(f"| `{var}` | " + "; ".join(x.replace("|", "/") for x in line) + " |")
             if tot < best_t:
                 best, best_t = var, tot
         if best is not None:
@@ -530,7 +534,7 @@ def main():
             log(f"  numerics failed: {type(e).__name__}: {e}")
 
     # markdown
-    cmd = "PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py" + (" --quick" if args.quick else "") + f" --out {args.out}"
+    cmd = "PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + " ".join(sys.argv[1:])
     md = ["# sdpa_varlen (Triton) on GPU", "",
           f"- command: `{cmd}`", f"- date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC",
           f"- GPU: {prop.name} ({prop.multi_processor_count} SMs), torch {torch.__version__}, "

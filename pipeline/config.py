@@ -12,6 +12,7 @@ from pipeline.models.transformer import ModelArgs
 class ModelConfig(ModelArgs):
     name: str = MISSING
     seed: int = 0  # weights are random-initialised from this seed: no downloads
+    dtype: str = "float32"  # compute dtype of the exported program: float32 | bfloat16 | float16
 
 
 @dataclass
@@ -36,12 +37,13 @@ class KVConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "xnnpack"  # xnnpack | portable
+    name: str = "xnnpack"  # xnnpack | portable | cuda
 
 
 @dataclass
 class ValidateConfig:
-    tolerance: float = 1e-4  # max |logits - oracle| / (oracle logit range), over every step
+    metric: str = "range"  # range: max|got - oracle| / oracle logit range; norm: ||got - oracle|| / ||oracle||
+    tolerance: float = 1e-4  # bound on the metric, over every step of every sequence
     prompt_lengths: list[int] = field(default_factory=lambda: [37, 9, 23, 50, 5])
     decode_steps: int = 40
     seed: int = 0

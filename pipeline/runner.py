@@ -25,6 +25,9 @@ from pipeline.stages import check_order
 SRC = Path(__file__).resolve().parent
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 class BuildError(RuntimeError):
     pass
 
@@ -36,9 +39,22 @@ def check_config(cfg: DictConfig):
     from pipeline.stages.export import model_args
 
     plan = check_order(list(cfg.stages))
+    for setting, value in (("model.dtype", cfg.model.dtype), ("kv.dtype", cfg.kv.dtype)):
+        if value not in DTYPES:
+            raise BuildError(f"{setting}={value} is not a supported dtype; choose one of {', '.join(DTYPES)}")
     build_layout(cfg.kv, model_args(cfg.model))
     if cfg.backend.name not in BACKENDS:
         raise BuildError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
+    if cfg.validate.metric not in ("range", "norm"):
+        raise BuildError(f"validate.metric={cfg.validate.metric} is not a metric; choose range or norm")
+    needs_gpu = {"compile", "validate"} & {s.name for s in plan}
+    if cfg.backend.name == "cuda" and needs_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BuildError(
+                f"backend=cuda needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() is False); "
+                "build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
     for group in ("draft", "vision"):
         if cfg[group].name != "none":
             raise BuildError(f"{group}={cfg[group].name} is not supported yet; use {group}=none")

@@ -19,7 +19,7 @@ def staged(tmp_path_factory):
     work = tmp_path_factory.mktemp("stages")
     out = {"cfg": cfg, "work": work}
     out["export"] = export.run(cfg.model, cfg.kv, {}, work)
-    out["lower_kv"] = lower_kv.run(cfg.kv, out["export"], work)
+    out["lower_kv"] = lower_kv.run(cfg.kv, cfg.backend, out["export"], work)
     out["compile"] = compile_stage.run(cfg.backend, {**out["export"], **out["lower_kv"]}, work)
     return out
 
@@ -52,7 +52,8 @@ def test_compile_alone_writes_program_and_manifest(staged):
 
 
 def test_validate_alone_passes(staged):
-    report = validate.run(staged["cfg"].validate, staged["cfg"].kv, staged["export"], staged["work"])["validation"]
+    cfg = staged["cfg"]
+    report = validate.run(cfg.validate, cfg.kv, cfg.backend, staged["export"], staged["work"])["validation"]
     assert report["passed"] and report["max_relative_error"] < 1e-5
     assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
 
@@ -65,7 +66,7 @@ def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):
-        validate.run(staged["cfg"].validate, staged["cfg"].kv, {"model": model}, tmp_path)
+        validate.run(staged["cfg"].validate, staged["cfg"].kv, staged["cfg"].backend, {"model": model}, tmp_path)
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["passed"] is False and report["max_relative_error"] > report["tolerance"]
 

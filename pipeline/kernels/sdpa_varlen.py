@@ -4,7 +4,9 @@ Registered as ``kvcache::sdpa_varlen_triton`` through ``torch.library.triton_op`
 with the same signature as ``kvcache::sdpa_varlen``, so it survives
 ``torch.export`` and AOTInductor (ExecuTorch's CUDA backend).
 
-One call launches three kernels, with no host synchronisation:
+One call launches three kernels (the second twice: one-token blocks and
+multi-token blocks, each with its own tile, warps and stages), with no host
+synchronisation:
 
 1. ``_plan_kernel`` (one program) splits the query tokens into *blocks* (at most
    ``TOKB`` consecutive tokens of one column with consecutive positions; a new
@@ -14,7 +16,10 @@ One call launches three kernels, with no host synchronisation:
    causal and window bounds leave visible, and cuts the visible keys of each
    block into splits of ``chunk`` keys, where ``chunk`` comes from the total
    visible work on the device: ``max(min_chunk, total / target_items)``.  It
-   writes a work list of (block, split) items.
+   writes a work list of (block, split) items, one self-contained record each.
+   The number of blocks is bounded from shapes by
+   ``min(T, T // TOKB + 2 * min(T, columns) + 1)``; this holds when each
+   sequence's tokens are contiguous in q (the contract).
 2. ``_sdpa_varlen_fwd`` (grid = upper bound of items x Hkv, from shapes only;
    programs past the real item count exit) processes one item for one KV head:
    a query tile of the block's tokens x the G = Hq/Hkv query heads that share
@@ -42,7 +47,7 @@ from torch.library import triton_op, wrap_triton
 # D <= 128 and halved for larger head dims.
 DEC_BLOCK_N = 64  # keys per inner tile, one-token (decode) blocks
 DEC_WARPS = 4
-DEC_STAGES = 3
+DEC_STAGES = 2  # chosen by bench/sdpa_varlen.py --sweep on an H200 (docs/benchmarks_gpu_sdpa.md)
 PRE_BLOCK_M = 64  # rows (tokens x heads) of a multi-token (prefill / draft) tile
 PRE_BLOCK_N = 64
 PRE_WARPS = 4
@@ -97,7 +102,10 @@ def _plan_kernel(
         head = valid & ((i == 0) | (col != pcol) | (pos != ppos + 1) | ((pos % TOKB) == 0))
         hi = head.to(tl.int32)
         rank = nb + tl.cumsum(hi, 0) - 1
-        tl.store(blk + rank * NBF, i, mask=head & (rank < NB_MAX))
+        keep = head & (rank < NB_MAX)
+        tl.store(blk + rank * NBF, i, mask=keep)
+        tl.store(blk + rank * NBF + 4, pos.to(tl.int32), mask=keep)  # first query position
+        tl.store(blk + rank * NBF + 11, col.to(tl.int32), mask=keep)
         nb += tl.sum(hi, 0)
     nb = tl.minimum(nb, NB_MAX)
     for base in range(0, S, CH):
@@ -127,8 +135,8 @@ def _plan_kernel(
         nxt = tl.load(blk + (b + 1) * NBF, mask=bv & (b + 1 < nb), other=0, volatile=True)
         tok_end = tl.where(b + 1 < nb, nxt, T)
         ntok = tok_end - tok0
-        col = tl.load(q_cols + tok0, mask=bv, other=0)
-        pmin = tl.load(q_pos + tok0, mask=bv, other=0)
+        col = tl.load(blk + b * NBF + 11, mask=bv, other=0, volatile=True).to(tl.int64)
+        pmin = tl.load(blk + b * NBF + 4, mask=bv, other=0, volatile=True).to(tl.int64)
         pmax = pmin + ntok - 1
         colok = bv & (col >= 0) & (col < columns)
         s0 = tl.load(col_seg + col * 2, mask=colok, other=-1, volatile=True)

@@ -28,15 +28,24 @@ class _Sequence:
 
 
 class Session:
-    def __init__(self, artifact_dir: str | Path):
-        from executorch.runtime import Runtime
+    """``methods`` replaces the ExecuTorch runtime with other runners of the same methods
+    (name -> callable(list of inputs) -> list of outputs), e.g. AOTInductor on a GPU."""
 
+    def __init__(self, artifact_dir: str | Path, methods: dict | None = None):
         artifact_dir = Path(artifact_dir)
         self.manifest = json.loads((artifact_dir / "manifest.json").read_text())
         self.kv = self.manifest["target"]
-        self.program = Runtime.get().load_program(str(artifact_dir / self.manifest["program"]))
         self._methods = {}
-        self._check_constants()
+        if methods is None:
+            from executorch.runtime import Runtime
+
+            self.program = Runtime.get().load_program(str(artifact_dir / self.manifest["program"]))
+            self.runtime = "executorch.runtime"
+            self._check_constants()
+        else:
+            self.program = None
+            self.runtime = "external runners"
+            self._methods = {name: _Runner(fn) for name, fn in methods.items()}
         self.layout = self.kv["layout"]
         self.max_seqs = self.kv["max_seqs"]
         self.max_step_tokens = self.kv["max_step_tokens"]
@@ -157,6 +166,11 @@ class Session:
         buffers = {"cell_ids": as_t(cell_ids), "q_seq_bits": as_t(bits),
                    "cell_pos": self.cell_pos.clone(), "cell_owners": self.cell_owners.clone()}
         return [buffers[b["name"]] for b in self.kv["step_buffers"]]
+
+
+@dataclass
+class _Runner:
+    execute: object  # callable(list) -> list, like an ExecuTorch method
 
 
 def _cumulative_last(counts: list[int]):

@@ -24,9 +24,9 @@ STAGES = {
     s.name: s
     for s in (
         Stage("export", ("model", "kv"), (), ("model", "exported")),
-        Stage("lower_kv", ("kv",), ("model", "exported"), ("layout", "lowered", "kv_manifest")),
+        Stage("lower_kv", ("kv", "backend"), ("model", "exported"), ("layout", "lowered", "kv_manifest")),
         Stage("compile", ("backend",), ("layout", "lowered", "kv_manifest"), ("program", "manifest")),
-        Stage("validate", ("validate", "kv"), ("model", "program"), ("validation",)),
+        Stage("validate", ("validate", "kv", "backend"), ("model", "lowered", "program"), ("validation",)),
     )
 }
 

@@ -1,40 +1,64 @@
-"""compile: ExecuTorch program from the lowered methods; writes model.pte and manifest.json.
+"""compile: ExecuTorch program from the lowered methods; writes model.pte (+ .ptd) and manifest.json.
 
 needs: layout, lowered, kv_manifest    gives: program (path of model.pte), manifest
+
+CPU backends (xnnpack, portable) have no kernel for the attention custom ops,
+so their ATen bodies are inlined first. The CUDA backend compiles each method
+with AOTInductor: the Triton ``sdpa_varlen`` kernel chosen by lower_kv goes
+into the compiled graph as it is; the cell layout's attention is inlined as
+ATen and compiled by Inductor.
 """
 
 import json
 from pathlib import Path
 
-from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+import torch
+from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.passes import MemoryPlanningPass
 
 from pipeline.kernels.reference import ATEN_DECOMPOSITIONS
 from pipeline.kv.manifest import constant_methods, manifest
 from pipeline.passes.common_subexpressions import merge_common_subexpressions
 
-BACKENDS = ("xnnpack", "portable")
+BACKENDS = ("cuda", "portable", "xnnpack")
 
 
-def partitioners(backend: str) -> list:
+def _partitioners(backend: str, methods: list[str]):
     if backend == "xnnpack":
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         return [XnnpackPartitioner()]
     if backend == "portable":
         return []
+    if backend == "cuda":
+        from executorch.backends.cuda.cuda_backend import CudaBackend
+        from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
+
+        return {m: [CudaPartitioner([CudaBackend.generate_method_name_compile_spec(m)])] for m in methods}
     raise ValueError(f"backend.name={backend} is not a backend; choose one of {', '.join(BACKENDS)}")
+
+
+def backend_programs(lowered: dict, backend: str) -> dict:
+    """The graphs the backend compiles: attention custom ops it has no kernel for, inlined as ATen."""
+    decompositions = ATEN_DECOMPOSITIONS
+    if backend == "cuda":  # keep the Triton kernel; only the cell attention becomes ATen
+        decompositions = {torch.ops.kvcache.sdpa_cells.default: ATEN_DECOMPOSITIONS[torch.ops.kvcache.sdpa_cells.default]}
+    programs = {name: ep.run_decompositions(decompositions) for name, ep in lowered.items()}
+    for ep in programs.values():
+        merge_common_subexpressions(ep.graph_module)
+    return programs
 
 
 def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     layout, lowered = inputs["layout"], inputs["lowered"]
-    parts = partitioners(backend_cfg.name)
-    # CPU backends have no kernel for the attention custom ops: inline their ATen bodies.
-    programs = {name: ep.run_decompositions(ATEN_DECOMPOSITIONS) for name, ep in lowered.items()}
-    for ep in programs.values():
-        merge_common_subexpressions(ep.graph_module)
-    print(f"  to_edge_transform_and_lower ({backend_cfg.name}): {', '.join(programs)}", flush=True)
-    edge = to_edge_transform_and_lower(programs, partitioner=parts, constant_methods=constant_methods(layout))
+    backend = backend_cfg.name
+    programs = backend_programs(lowered, backend)
+    print(f"  to_edge_transform_and_lower ({backend}): {', '.join(programs)}", flush=True)
+    edge = to_edge_transform_and_lower(
+        programs, partitioner=_partitioners(backend, list(programs)), constant_methods=constant_methods(layout),
+        # the CUDA backend's AOTInductor graphs hold ops outside the Edge dialect (the Triton kernel)
+        compile_config=EdgeCompileConfig(_check_ir_validity=backend != "cuda"),
+    )
     print("  to_executorch", flush=True)
     et = edge.to_executorch(ExecutorchBackendConfig(
         # all methods read and write the same KV stores
@@ -42,9 +66,14 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
         emit_mutable_buffer_names=True,
     ))
     program = workdir / "model.pte"
-    program.write_bytes(et.buffer)
+    with program.open("wb") as f:
+        et.write_to_file(f)
+    data_files = []
+    if et._tensor_data:  # aoti_cuda_blob.ptd for the CUDA backend
+        et.write_tensor_data_to_file(str(workdir))
+        data_files = sorted(n if n.endswith(".ptd") else f"{n}.ptd" for n in et._tensor_data)
     methods = {name: [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
                for name, ep in lowered.items()}
-    doc = manifest(inputs["kv_manifest"], backend_cfg.name, program.name, [], methods)
+    doc = manifest(inputs["kv_manifest"], backend, program.name, data_files, methods)
     (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     return {"program": program, "manifest": doc}

@@ -21,31 +21,32 @@ def _dim(name: str, upper: int):
     return Dim(name, min=1, max=upper) if upper > 1 else Dim.STATIC
 
 
-def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int) -> dict[str, MethodInputs]:
+def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int, dtype=torch.float32) -> dict[str, MethodInputs]:
     n_tokens, n_seqs = _dim("n_tokens", max_step_tokens), _dim("n_seqs", max_seqs)
     step, width = max_step_tokens, max_seqs  # examples at the upper bounds
-    embeddings = torch.zeros(1, step, args.dim)
+    embeddings = torch.zeros(1, step, args.dim, dtype=dtype)
     return {
         "embed_text": MethodInputs((torch.zeros(step, dtype=torch.int64),), ({0: n_tokens},), n_tokens),
         "forward_from_embeddings": MethodInputs(
             (embeddings, torch.arange(step), torch.arange(width)),
             ({1: n_tokens}, {0: n_tokens}, {0: n_seqs}), n_tokens),
         "decode_from_embedding": MethodInputs(
-            (torch.zeros(1, width, args.dim), torch.arange(width)),
+            (torch.zeros(1, width, args.dim, dtype=dtype), torch.arange(width)),
             ({1: n_seqs}, {0: n_seqs}), n_seqs),
     }
 
 
 def run(model_cfg: ModelConfig, kv_cfg, inputs: dict, workdir) -> dict:
     args = model_args(model_cfg)
-    model = build_model(args, model_cfg.seed)
+    dtype = getattr(torch, model_cfg.dtype)
+    model = build_model(args, model_cfg.seed).to(dtype)
     views = {
         "embed_text": EmbedText(model),
         "forward_from_embeddings": ForwardFromEmbeddings(model),
         "decode_from_embedding": DecodeFromEmbedding(model),
     }
     exported = {}
-    for name, spec in method_inputs(args, kv_cfg.max_step_tokens, kv_cfg.max_seqs).items():
+    for name, spec in method_inputs(args, kv_cfg.max_step_tokens, kv_cfg.max_seqs, dtype).items():
         print(f"  export {name}", flush=True)
         with torch.no_grad():
             ep = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)

@@ -3,18 +3,30 @@
 needs: model, exported    gives: layout, lowered ({method: ExportedProgram}), kv_manifest
 """
 
+import torch
+
 from pipeline.kv.layouts import build_layout
 from pipeline.kv.manifest import kv_section
 from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
 
 
-def run(kv_cfg, inputs: dict, workdir) -> dict:
+def attention_kernel(backend: str):
+    """The sdpa_varlen implementation the backend runs: Triton on CUDA, ATen on CPU backends."""
+    if backend == "cuda":
+        from pipeline.kernels.sdpa_varlen import sdpa_varlen_triton  # noqa: F401  (registers the op)
+
+        return torch.ops.kvcache.sdpa_varlen_triton.default
+    return torch.ops.kvcache.sdpa_varlen.default
+
+
+def run(kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
     layout = build_layout(kv_cfg, inputs["model"].args)
+    kernel = attention_kernel(backend_cfg.name)
     lowered = {}
     for name, (ep, spec) in inputs["exported"].items():
         if count_neutral(ep) == 0:
             lowered[name] = ep  # embed_text reads no cache
             continue
         print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {layout.layout} store + attention", flush=True)
-        lowered[name] = lower_offgraph_kv(ep, layout, spec)
+        lowered[name] = lower_offgraph_kv(ep, layout, spec, sdpa_varlen=kernel)
     return {"layout": layout, "lowered": lowered, "kv_manifest": kv_section(layout)}
