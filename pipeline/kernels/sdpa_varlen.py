@@ -34,8 +34,6 @@ Scores, softmax and accumulation are fp32; P is cast to V's dtype for the
 second product (as in FlashAttention).  A query that sees no key gets zeros.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call on a CUDA GPU: build and validate the CUDA artifacts (batched-sequence and cell),
+# collecting logs, manifests, validation reports and build records under $OUT.
+#   bash bench/cuda_build.sh [experiment ...]     (default: cuda_batched8 cuda_cell4)
+# Needs the carried wheels in .whl/ (executorch 1.5.1, hydra-core, omegaconf, antlr4, ...): README "GPU".
+set -uo pipefail
+OUT=${OUT:-/tmp/cuda_build_out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+experiments=("$@"); [ ${#experiments[@]} -gt 0 ] || experiments=(cuda_batched8 cuda_cell4)
+status=0
+for exp in "${experiments[@]}"; do
+  start=$(date +%s)
+  python3 -m pipeline experiment="$exp" output_root=/tmp/outputs > "$OUT/$exp.log" 2>&1 || status=1
+  echo "$exp: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
+  grep -vE "Warning|warn|cpuinfo|copyreg|return cls|W11|^\s*$" "$OUT/$exp.log" | tail -25
+  version=$(ls -d /tmp/outputs/"$exp"/v* 2>/dev/null | tail -1)
+  [ -n "$version" ] || version=$(ls -d /tmp/outputs/"$exp"/.failed/* 2>/dev/null | tail -1)
+  [ -n "$version" ] && ls -la "$version" >> "$OUT/$exp.log"
+  for f in manifest.json validation.json build.json; do
+    [ -f "$version/$f" ] && cp "$version/$f" "$OUT/$exp.$f"
+  done
+done
+exit $status
