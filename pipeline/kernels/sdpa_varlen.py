@@ -279,7 +279,7 @@ def _attend(
             s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         else:
             s = tl.dot(qt, tl.trans(kt))
-        s = s * scale_log2
+        s = (s * scale_log2).to(tl.float32)  # AOTInductor passes float scalars as fp64
         vis = kv[None, :]
         if ROW_MASK:
             kpos = tl.where(in0, pos0 + idx, pos1 + (idx - n0))

@@ -61,8 +61,10 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     )
     print("  to_executorch", flush=True)
     et = edge.to_executorch(ExecutorchBackendConfig(
-        # all methods read and write the same KV stores
-        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+        # CPU backends: the KV stores are mutable buffers of the program, shared by all methods.
+        # CUDA: the AOTInductor partitioner takes the stores into each method's delegate (constants
+        # named by their FQN in the .ptd), and delegate inputs are planned in device memory.
+        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=backend != "cuda"),
         emit_mutable_buffer_names=True,
     ))
     program = workdir / "model.pte"
