@@ -9,6 +9,7 @@ into the compiled graph as it is; the cell layout's attention is inlined as
 ATen and compiled by Inductor.
 """
 
+import copy
 import json
 from pathlib import Path
 
@@ -39,7 +40,11 @@ def _partitioners(backend: str, methods: list[str]):
 
 
 def backend_programs(lowered: dict, backend: str) -> dict:
-    """The graphs the backend compiles: attention custom ops it has no kernel for, inlined as ATen."""
+    """The graphs the backend compiles: attention custom ops it has no kernel for, inlined as ATen.
+
+    Works on copies: ExecuTorch's backends edit the programs they lower (the CUDA backend
+    moves and drops constants), and the upstream artifacts must stay usable."""
+    lowered = {name: copy.deepcopy(ep) for name, ep in lowered.items()}
     decompositions = ATEN_DECOMPOSITIONS
     if backend == "cuda":  # keep the Triton kernel; only the cell attention becomes ATen
         decompositions = {torch.ops.kvcache.sdpa_cells.default: ATEN_DECOMPOSITIONS[torch.ops.kvcache.sdpa_cells.default]}
