@@ -96,3 +96,41 @@ def test_cell_build(build_dir):
     assert (kv["layout"], kv["max_seqs"], kv["max_segments"]) == ("cell", 3, 6)
     report = _episode(version)
     assert report["passed"] and report["scenario"]["max_live"] == 3
+
+
+def planned_stores(pte) -> dict:
+    """KV store tensors as planned in the .pte: method -> {name: (bytes, mem_id, offset)}."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(pte.read_bytes())
+    program = getattr(program, "program", program)
+    item = {6: 4, 15: 2, 5: 2}  # ScalarType FLOAT, BFLOAT16, HALF
+    planned = {}
+    for plan in program.execution_plan:
+        stores = {}
+        for value in plan.values:
+            info = getattr(value.val, "extra_tensor_info", None)
+            name = getattr(info, "fully_qualified_name", None)
+            if name and name.startswith("kv_store."):
+                t = value.val
+                n = 1
+                for s in t.sizes:
+                    n *= s
+                alloc = t.allocation_info
+                stores[name] = (n * item[int(t.scalar_type)], alloc.memory_id, alloc.memory_offset_low)
+        if stores:
+            planned[plan.name] = stores
+    return planned
+
+
+def test_kv_bytes_match_planned_stores(build_dir):
+    for overrides in ((), BATCHED, CELL):
+        version = build_dir(*overrides)
+        record = json.loads((version / "build.json").read_text())
+        planned = planned_stores(version / "model.pte")
+        assert set(planned) == {"forward_from_embeddings", "decode_from_embedding"}
+        forward, decode = planned["forward_from_embeddings"], planned["decode_from_embedding"]
+        assert forward == decode, "both methods must address the same planned stores"
+        assert sum(b for b, _, _ in forward.values()) == record["kv_bytes_total"]
+        per_layer = [forward[f"kv_store.k_{i}"][0] + forward[f"kv_store.v_{i}"][0] for i in range(len(record["kv_bytes_per_layer"]))]
+        assert per_layer == record["kv_bytes_per_layer"]

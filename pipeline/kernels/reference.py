@@ -36,12 +36,12 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> T
     kf = _f32(k).permute(0, 2, 3, 1)  # [T, Hkv, D, N]
     vf = _f32(v).permute(0, 2, 1, 3)  # [T, Hkv, N, Dv]
     scores = torch.matmul(qf, kf) * scale  # [T, Hkv, G, N]
-    visible = visible[:, None, None, :]
-    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    # a query that sees no key gets zeros, not the NaN of an all -inf softmax
-    weights = torch.where(visible.any(dim=-1, keepdim=True), weights, torch.zeros_like(weights))
+    # hidden keys get a finite -1e30 (fp32 scores): exp underflows to exactly 0 next to any visible
+    # key, and a query that sees none gets a finite uniform average, zeroed below, never NaN
+    weights = torch.softmax(scores.masked_fill(~visible[:, None, None, :], -1e30), dim=-1)
     out = torch.matmul(weights, vf)  # [T, Hkv, G, Dv]
-    return out.reshape(n_tok, n_heads, v.shape[-1]).to(q.dtype)
+    sees_any = visible.any(dim=-1).to(out.dtype)[:, None, None, None]
+    return (out * sees_any).reshape(n_tok, n_heads, v.shape[-1]).to(q.dtype)
 
 
 def _f32(x: Tensor) -> Tensor:
@@ -69,8 +69,12 @@ def sdpa_varlen_reference(
     visible = hit.any(dim=1)  # [T, rows]
     key_pos = (hit.to(torch.int64) * seg_key_pos[None]).sum(dim=1)  # [T, rows]
     visible = _window_causal(visible, key_pos, q_pos, causal, window)
-    slots = row[None, :] * columns + q_cols[:, None]  # [T, rows]
-    return _attend(q, k_store[slots], v_store[slots], visible, scale)
+    # each query's column of the store: [rows, columns, H, D] -> [T, rows, H, D]. index_select copies
+    # whole rows of H * D; an advanced-index gather over [T, rows] slots is several times slower on
+    # ExecuTorch's portable kernels.
+    k = k_store.view(rows, columns, *k_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
+    v = v_store.view(rows, columns, *v_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
+    return _attend(q, k, v, visible, scale)
 
 
 def sdpa_cells_reference(
