@@ -28,20 +28,43 @@ import torch
 from torch import Tensor
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
-    # q: [T, Hq, D]  k: [T, N, Hkv, D]  v: [T, N, Hkv, Dv]  visible: [T, N] bool
-    n_tok, n_heads, _ = q.shape
-    group = n_heads // k.shape[2]
-    qf = _f32(q).reshape(n_tok, k.shape[2], group, q.shape[-1])  # [T, Hkv, G, D]
-    kf = _f32(k).permute(0, 2, 3, 1)  # [T, Hkv, D, N]
-    vf = _f32(v).permute(0, 2, 1, 3)  # [T, Hkv, N, Dv]
-    scores = torch.matmul(qf, kf) * scale  # [T, Hkv, G, N]
-    # hidden keys get a finite -1e30 (fp32 scores): exp underflows to exactly 0 next to any visible
-    # key, and a query that sees none gets a finite uniform average, zeroed below, never NaN
-    weights = torch.softmax(scores.masked_fill(~visible[:, None, None, :], -1e30), dim=-1)
-    out = torch.matmul(weights, vf)  # [T, Hkv, G, Dv]
-    sees_any = visible.any(dim=-1).to(out.dtype)[:, None, None, None]
-    return (out * sees_any).reshape(n_tok, n_heads, v.shape[-1]).to(q.dtype)
+def _hidden_bias(visible: Tensor) -> Tensor:
+    # [T, N] additive mask: hidden keys get a finite -1e30, so exp underflows to exactly 0 next to
+    # any visible key and a query that sees none gets a finite uniform average (zeroed by the
+    # caller), never the NaN of an all -inf row. Built once per step and layer kind; a broadcast
+    # add per layer is cheaper than a masked fill over every head.
+    return torch.where(visible, 0.0, -1e30)
+
+
+def _attend_per_query(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    # each query its own keys. q: [T, Hq, D]  k: [T, N, Hkv, D]  v: [T, N, Hkv, Dv]  visible: [T, N]
+    # 3-d bmm throughout: a 4-d matmul lowers to bmm plus a copy of each operand
+    n_tok, n_heads, d = q.shape
+    _, n_keys, n_kv, dv = v.shape
+    group = n_heads // n_kv
+    qf = _f32(q).reshape(n_tok * n_kv, group, d)
+    kf = _f32(k).permute(0, 2, 3, 1).reshape(n_tok * n_kv, d, n_keys)
+    vf = _f32(v).permute(0, 2, 1, 3).reshape(n_tok * n_kv, n_keys, dv)
+    scores = torch.bmm(qf, kf).reshape(n_tok, n_kv, group, n_keys) * scale
+    weights = torch.softmax(scores + _hidden_bias(visible)[:, None, None, :], dim=-1)
+    out = torch.bmm(weights.reshape(n_tok * n_kv, group, n_keys), vf).reshape(n_tok, n_heads, dv)
+    return (out * visible.any(dim=-1).to(torch.float32)[:, None, None]).to(q.dtype)
+
+
+def _attend_shared(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    # all queries against one key set, in one matmul per KV head (no per-query copy of the keys).
+    # q: [T, Hq, D]  k: [N, Hkv, D]  v: [N, Hkv, Dv]  visible: [T, N]
+    n_tok, n_heads, d = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    qf = _f32(q).reshape(n_tok, n_kv, group, d).permute(1, 0, 2, 3).reshape(n_kv, n_tok * group, d)
+    scores = torch.bmm(qf, _f32(k).permute(1, 2, 0)) * scale  # [Hkv, T*G, N]
+    scores = scores.reshape(n_kv, n_tok, group, -1)
+    weights = torch.softmax(scores + _hidden_bias(visible)[None, :, None, :], dim=-1).reshape(n_kv, n_tok * group, -1)
+    out = torch.bmm(weights, _f32(v).permute(1, 0, 2))  # [Hkv, T*G, Dv]
+    out = out.reshape(n_kv, n_tok, group, -1).permute(1, 0, 2, 3)  # [T, Hkv, G, Dv]
+    out = out * visible.any(dim=-1).to(torch.float32)[:, None, None, None]
+    return out.reshape(n_tok, n_heads, v.shape[-1]).to(q.dtype)
 
 
 def _f32(x: Tensor) -> Tensor:
@@ -63,31 +86,33 @@ def sdpa_varlen_reference(
     rows = k_store.shape[0] // columns
     row = torch.arange(rows, device=q.device, dtype=torch.int64)  # [rows]
     seg_col, first_row, row_count, first_pos = seq_info.unbind(1)  # each [S]
-    in_seg = (row[None, :] >= first_row[:, None]) & (row[None, :] < (first_row + row_count)[:, None])  # [S, rows]
-    seg_key_pos = first_pos[:, None] + (row[None, :] - first_row[:, None])  # [S, rows]
-    hit = (q_cols[:, None] == seg_col[None, :])[:, :, None] & in_seg[None]  # [T, S, rows]
-    visible = hit.any(dim=1)  # [T, rows]
-    key_pos = (hit.to(torch.int64) * seg_key_pos[None]).sum(dim=1)  # [T, rows]
-    visible = _window_causal(visible, key_pos, q_pos, causal, window)
+    in_seg = ((row[None, :] >= first_row[:, None]) & (row[None, :] < (first_row + row_count)[:, None])).float()  # [S, rows]
+    seg_key_pos = (first_pos[:, None] + (row[None, :] - first_row[:, None])).float()  # [S, rows]
+    # per column, which rows hold keys and at which positions: [columns, S] @ [S, rows]. Done once
+    # per step and layer kind (compile merges the copies of other layers); per query it is then a
+    # row lookup, O(T * rows) rather than O(T * segments * rows). fp32 holds positions exactly
+    # below 2**24.
+    owns = (torch.arange(columns, device=q.device)[:, None] == seg_col[None, :]).float()  # [columns, S]
+    col_visible = torch.matmul(owns, in_seg) > 0  # [columns, rows]
+    col_key_pos = torch.matmul(owns, in_seg * seg_key_pos)  # [columns, rows]
+    visible = col_visible.index_select(0, q_cols)  # [T, rows]
+    key_pos = col_key_pos.index_select(0, q_cols)
+    visible = _window_causal(visible, key_pos, q_pos.float(), causal, window)
     # each query's column of the store: [rows, columns, H, D] -> [T, rows, H, D]. index_select copies
     # whole rows of H * D; an advanced-index gather over [T, rows] slots is several times slower on
     # ExecuTorch's portable kernels.
     k = k_store.view(rows, columns, *k_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
     v = v_store.view(rows, columns, *v_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
-    return _attend(q, k, v, visible, scale)
+    return _attend_per_query(q, k, v, visible, scale)
 
 
 def sdpa_cells_reference(
     q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_seq_bits: Tensor,
     cell_pos: Tensor, cell_owners: Tensor, scale: float, causal: bool, window: int,
 ) -> Tensor:
-    n_tok = q.shape[0]
     visible = torch.bitwise_and(cell_owners[None, :], q_seq_bits[:, None]) != 0  # [T, cells]
-    key_pos = cell_pos[None, :].expand(n_tok, -1)
-    visible = _window_causal(visible, key_pos, q_pos, causal, window)
-    k = k_store[None].expand(n_tok, -1, -1, -1)
-    v = v_store[None].expand(n_tok, -1, -1, -1)
-    return _attend(q, k, v, visible, scale)
+    visible = _window_causal(visible, cell_pos[None, :], q_pos, causal, window)
+    return _attend_shared(q, k_store, v_store, visible, scale)
 
 
 @torch.library.custom_op("kvcache::sdpa_varlen", mutates_args=())
