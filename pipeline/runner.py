@@ -66,18 +66,14 @@ def _sha256(path: Path) -> str:
 
 
 def _tool_versions() -> dict:
-    import executorch
-    import torch
+    from importlib.metadata import PackageNotFoundError, version
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "executorch": getattr(executorch, "__version__", "unknown")}
-    try:
-        from importlib.metadata import version
-
-        versions["triton"] = version("triton")
-        versions["executorch"] = version("executorch")
-    except Exception:
-        versions.setdefault("triton", "not installed")
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "executorch", "triton", "hydra-core"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "not installed"
     return versions
 
 

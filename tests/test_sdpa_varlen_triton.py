@@ -34,10 +34,11 @@ DEVICE = "cuda" if NATIVE else "cpu"
 # small splits so that tests exercise the split + merge path
 SMALL = dict(block_n=16, target_ctas=64, min_chunk=16)
 
-_INTERPRETED = type(K._sdpa_varlen_fwd).__name__ == "InterpretedFunction"
-# The kernel module may have been imported (compiled mode) by an earlier test
-# module before TRITON_INTERPRET was set: then run this file in a fresh process.
-_RERUN = not NATIVE and not _INTERPRETED
+# In the interpreter the kernels run in a fresh process of their own: other test modules'
+# use of Inductor (AOTInductor, torch.compile) in the same process breaks the interpreter's
+# patching of triton.language ("Cannot call @triton.jit'd outside of the scope of a kernel").
+_FRESH = os.environ.get("SDPA_VARLEN_FRESH_PROCESS") == "1"
+_RERUN = not NATIVE and not _FRESH
 
 if NATIVE and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("SDPA_VARLEN_NATIVE=1 needs a CUDA device", allow_module_level=True)
@@ -45,8 +46,8 @@ if NATIVE and not torch.cuda.is_available():  # pragma: no cover
 
 def test_in_fresh_process_if_needed():
     if not _RERUN:
-        pytest.skip("kernels already run in the interpreter in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+        pytest.skip("this is the fresh process: the kernels run in the tests below")
+    env = dict(os.environ, TRITON_INTERPRET="1", SDPA_VARLEN_FRESH_PROCESS="1")
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
         env=env, capture_output=True, text=True,

@@ -60,7 +60,7 @@ def plan(validate_cfg, max_seqs: int, vocab: int) -> list[_Script]:
 
 
 def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range") -> dict:
-    waiting, live, done = list(scripts), [], []
+    waiting, live = list(scripts), []
     stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
     budget = session.max_step_tokens
     while waiting or live:
@@ -71,22 +71,22 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             live.append(script)
         stats["max_live"] = max(stats["max_live"], len(live))
         feeds, room = {}, budget
-        for s in live:  # decodes first, one token each
-            if s.fed == len(s.prompt):
-                feeds[s.seq_id] = [s.next_token]
-                room -= 1
+        decoding = [s for s in live if s.fed == len(s.prompt)]
+        for s in decoding:  # decodes first, one token each
+            feeds[s.seq_id] = [s.next_token]
+            room -= 1
+        prefilling = 0
         for s in live:  # then prefill chunks fill the rest of the step
             if s.fed < len(s.prompt) and room > 0:
-                chunk = s.prompt[s.fed: s.fed + room]
-                feeds[s.seq_id] = chunk
-                room -= len(chunk)
+                feeds[s.seq_id] = s.prompt[s.fed: s.fed + room]
+                room -= len(feeds[s.seq_id])
+                prefilling += 1
         logits = session.step(feeds)
-        by_id = {s.seq_id: s for s in live}
-        kinds = {len(t) == 1 and by_id[k].fed == len(by_id[k].prompt) for k, t in feeds.items()}
         stats["steps"] += 1
-        stats["mixed_steps"] += len(kinds) == 2
-        stats["decode_steps"] += kinds == {True}
+        stats["mixed_steps"] += bool(decoding) and prefilling > 0
+        stats["decode_steps"] += not prefilling
         stats["tokens"] += sum(len(t) for t in feeds.values())
+        by_id = {s.seq_id: s for s in live}
         for seq_id, toks in feeds.items():
             s = by_id[seq_id]
             start = s.fed + s.decoded
@@ -103,7 +103,6 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             if s.fed == len(s.prompt) and s.decoded >= s.decode_steps:
                 session.release(s.seq_id)
                 live.remove(s)
-                done.append(s)
     return stats
 
 
@@ -111,12 +110,11 @@ def _session(backend: str, inputs: dict, workdir: Path) -> tuple[Session, str]:
     if backend != "cuda":
         return Session(workdir), "executorch.runtime (Python bindings), CPU"
     from pipeline.runtime.aoti import compile_methods
+    from pipeline.stages.compile import backend_programs
 
     gpu = torch.cuda.get_device_name()
     runtime = (f"AOTInductor: the lowered graphs that ExecuTorch's CudaBackend compiles, compiled with "
                f"torch._inductor.aoti_compile_and_package and run on {gpu} (ExecuTorch's Python runtime has no CUDA backend)")
-    from pipeline.stages.compile import backend_programs
-
     return Session(workdir, methods=compile_methods(backend_programs(inputs["lowered"], backend))), runtime
 
 
