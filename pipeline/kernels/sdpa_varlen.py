@@ -66,6 +66,19 @@ def _next_pow2(x: int) -> int:
 
 # --------------------------------------------------------------------------- plan
 @triton.jit
+def _trim_segment(seq_info, s, lo, hi_):
+    """Segment s (-1: none) trimmed to the positions [lo, hi_]: its first row, the rows
+    skipped, the rows kept and its first position."""
+    has = s >= 0
+    first_row = tl.load(seq_info + s * 4 + 1, mask=has, other=0)
+    count = tl.load(seq_info + s * 4 + 2, mask=has, other=0)
+    first_pos = tl.load(seq_info + s * 4 + 3, mask=has, other=0)
+    skip = tl.minimum(tl.maximum(lo - first_pos, 0), count)
+    end = tl.minimum(tl.maximum(hi_ - first_pos + 1, 0), count)
+    return first_row, skip, tl.where(has, tl.maximum(end - skip, 0), 0), first_pos
+
+
+@triton.jit
 def _plan_kernel(
     q_pos, q_cols, seq_info, plan, col_seg,
     T, S, columns, window, NB_MAX, W_MAX, TARGET, MIN_CHUNK_K,
@@ -148,20 +161,8 @@ def _plan_kernel(
             hi_ = pmax
         else:
             hi_ = pmax * 0 + big
-        h0 = s0 >= 0
-        f0 = tl.load(seq_info + s0 * 4 + 1, mask=h0, other=0)
-        c0 = tl.load(seq_info + s0 * 4 + 2, mask=h0, other=0)
-        p0 = tl.load(seq_info + s0 * 4 + 3, mask=h0, other=0)
-        a0 = tl.minimum(tl.maximum(lo - p0, 0), c0)
-        e0 = tl.minimum(tl.maximum(hi_ - p0 + 1, 0), c0)
-        n0 = tl.where(h0, tl.maximum(e0 - a0, 0), 0)
-        h1 = s1 >= 0
-        f1 = tl.load(seq_info + s1 * 4 + 1, mask=h1, other=0)
-        c1 = tl.load(seq_info + s1 * 4 + 2, mask=h1, other=0)
-        p1 = tl.load(seq_info + s1 * 4 + 3, mask=h1, other=0)
-        a1 = tl.minimum(tl.maximum(lo - p1, 0), c1)
-        e1 = tl.minimum(tl.maximum(hi_ - p1 + 1, 0), c1)
-        n1 = tl.where(h1, tl.maximum(e1 - a1, 0), 0)
+        f0, a0, n0, p0 = _trim_segment(seq_info, s0, lo, hi_)
+        f1, a1, n1, p1 = _trim_segment(seq_info, s1, lo, hi_)
         bp = blk + b * NBF
         tl.store(bp + 1, ntok.to(tl.int32), mask=bv)
         tl.store(bp + 2, (f0 + a0).to(tl.int32), mask=bv)
