@@ -32,7 +32,7 @@ def test_program_matches_oracle_directly(build_dir):
     """Independent of the validate stage: load the .pte and compare one prefill with the eager model."""
     from executorch.runtime import Runtime
 
-    from pipeline.models.transformer import ModelArgs, build_model
+    from pipeline.models.transformer import build_model
     from conftest import compose_config
     from pipeline.stages.export import model_args
 
