@@ -66,6 +66,15 @@ def _next_pow2(x: int) -> int:
 
 # --------------------------------------------------------------------------- plan
 @triton.jit
+def _live_segment(seq_info, s, S, columns):
+    """Column of segments s and whether each is a real, non-empty segment of a valid column."""
+    sv = s < S
+    scol = tl.load(seq_info + s * 4, mask=sv, other=0)
+    scnt = tl.load(seq_info + s * 4 + 2, mask=sv, other=0)
+    return scol, sv & (scnt > 0) & (scol >= 0) & (scol < columns)
+
+
+@triton.jit
 def _trim_segment(seq_info, s, lo, hi_):
     """Segment s (-1: none) trimmed to the positions [lo, hi_]: its first row, the rows
     skipped, the rows kept and its first position."""
@@ -121,19 +130,13 @@ def _plan_kernel(
     nb = tl.minimum(nb, NB_MAX)
     for base in range(0, S, CH):
         s = base + offs
-        sv = s < S
-        scol = tl.load(seq_info + s * 4, mask=sv, other=0)
-        scnt = tl.load(seq_info + s * 4 + 2, mask=sv, other=0)
-        ok = sv & (scnt > 0) & (scol >= 0) & (scol < columns)
+        scol, ok = _live_segment(seq_info, s, S, columns)
         tl.store(col_seg + scol * 2, s, mask=ok)
     tl.debug_barrier()
     # P2: second segment of each column (the one that did not win slot 0).
     for base in range(0, S, CH):
         s = base + offs
-        sv = s < S
-        scol = tl.load(seq_info + s * 4, mask=sv, other=0)
-        scnt = tl.load(seq_info + s * 4 + 2, mask=sv, other=0)
-        ok = sv & (scnt > 0) & (scol >= 0) & (scol < columns)
+        scol, ok = _live_segment(seq_info, s, S, columns)
         first = tl.load(col_seg + scol * 2, mask=ok, other=-1, volatile=True)
         tl.store(col_seg + scol * 2 + 1, s, mask=ok & (first != s))
     tl.debug_barrier()

@@ -75,10 +75,9 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     program = workdir / "model.pte"
     with program.open("wb") as f:
         et.write_to_file(f)
-    data_files = []
-    if et._tensor_data:  # aoti_cuda_blob.ptd for the CUDA backend
+    if backend == "cuda":  # aoti_cuda_blob.ptd: the AOTInductor library and weights
         et.write_tensor_data_to_file(str(workdir))
-        data_files = sorted(n if n.endswith(".ptd") else f"{n}.ptd" for n in et._tensor_data)
+    data_files = sorted(p.name for p in workdir.glob("*.ptd"))
     methods = {name: [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
                for name, ep in lowered.items()}
     doc = manifest(inputs["kv_manifest"], backend, program.name, data_files, methods)
