@@ -1,22 +1,57 @@
-"""The AOTInductor runner used for GPU validation, exercised on the CPU: methods compiled
-separately must share one set of KV stores and match the oracle through an episode."""
+"""The AOTInductor runner used for GPU validation, exercised on the CPU: the child process
+rebuilds the graphs from the config, refuses graphs that differ from the parent's, and its
+separately compiled methods share one set of KV stores and match the oracle."""
+
+import functools
+
+import pytest
+import torch
+from omegaconf import OmegaConf
 
 from conftest import compose_config
-from pipeline.runtime.aoti import compile_methods
+from pipeline.runtime.aoti import MethodServer, MethodServerError
 from pipeline.runtime.session import Session
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import export, lower_kv, validate
 
+OVERRIDES = ("kv=cell", "kv.max_seqs=2", "kv.capacity=128", "backend=portable", "model=tiny_flat")
 
-def test_aoti_methods_share_stores_and_match_oracle(tmp_path):
-    cfg = compose_config("kv=cell", "kv.max_seqs=2", "kv.capacity=128", "backend=portable", "model=tiny_flat")
-    exported = export.run(cfg.model, cfg.kv, {}, tmp_path)
-    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp_path)
-    compile_stage.run(cfg.backend, {**exported, **lowered}, tmp_path)  # manifest.json for the session
-    methods = compile_methods(compile_stage.backend_programs(lowered["lowered"], "portable"), device="cpu")
-    session = Session(tmp_path, methods=methods)
-    scripts = validate.plan(cfg.validate, session.max_seqs, exported["model"].args.vocab_size)
-    stats = validate.run_episode(session, exported["model"], scripts, causal=True)
+
+def _recipe(cfg, **model_changes):
+    model = {**OmegaConf.to_container(cfg.model, resolve=True), **model_changes}
+    return functools.partial(validate.backend_graphs, model, *(OmegaConf.to_container(c, resolve=True)
+                                                               for c in (cfg.kv, cfg.backend)))
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("aoti")
+    cfg = compose_config(*OVERRIDES)
+    exported = export.run(cfg.model, cfg.kv, {}, tmp)
+    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp)
+    compile_stage.run(cfg.backend, {**exported, **lowered}, tmp)  # manifest.json for the session
+    return cfg, exported["model"], compile_stage.backend_programs(lowered["lowered"], "portable"), tmp
+
+
+def test_aoti_methods_share_stores_and_match_oracle(lowered):
+    cfg, model, programs, artifact = lowered
+    with MethodServer(_recipe(cfg), programs, device="cpu") as server:
+        session = Session(artifact, methods=server.runners)
+        scripts = validate.plan(cfg.validate, session.max_seqs, model.args.vocab_size)
+        stats = validate.run_episode(session, model, scripts, causal=True)
     assert stats["decode_steps"] > 0 and stats["steps"] > stats["decode_steps"]
     # decode steps read what prefill steps (another compiled method) wrote: not shared -> large errors
     assert max(max(s.errors) for s in scripts) < 1e-4
+
+
+def test_method_server_refuses_graphs_that_differ(lowered):
+    cfg, _, programs, _ = lowered
+    with pytest.raises(MethodServerError, match="rebuilt different graphs"):
+        MethodServer(_recipe(cfg, seed=cfg.model.seed + 1), programs, device="cpu")  # other weights
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_method_server_reports_a_failure_in_the_child(lowered):
+    cfg, _, programs, _ = lowered
+    with pytest.raises(MethodServerError, match="compiling the methods"):
+        MethodServer(_recipe(cfg), programs, device="cuda")  # the child cannot move them to a GPU

@@ -53,7 +53,7 @@ def test_compile_alone_writes_program_and_manifest(staged):
 
 def test_validate_alone_passes(staged):
     cfg = staged["cfg"]
-    report = validate.run(cfg.validate, cfg.kv, cfg.backend, staged["export"], staged["work"])["validation"]
+    report = validate.run(cfg.validate, cfg.model, cfg.kv, cfg.backend, staged["export"], staged["work"])["validation"]
     assert report["passed"] and report["max_relative_error"] < 1e-5
     assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
 
@@ -66,7 +66,7 @@ def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):
-        validate.run(staged["cfg"].validate, staged["cfg"].kv, staged["cfg"].backend, {"model": model}, tmp_path)
+        validate.run(staged["cfg"].validate, staged["cfg"].model, staged["cfg"].kv, staged["cfg"].backend, {"model": model}, tmp_path)
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["passed"] is False and report["max_relative_error"] > report["tolerance"]
 

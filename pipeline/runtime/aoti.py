@@ -1,4 +1,4 @@
-"""Run the lowered methods on a CUDA GPU through AOTInductor, sharing one set of KV stores.
+"""Run the lowered methods through AOTInductor, sharing one set of KV stores.
 
 ExecuTorch's Python runtime (pybindings) carries no CUDA backend, so a GPU
 validation compiles the same lowered graphs that ExecuTorch's CudaBackend
@@ -6,9 +6,23 @@ compiles (AOTInductor, Triton kernels included) and runs them here. Each
 method becomes its own AOTInductor package; the KV store buffers are replaced
 by one set of user-managed device tensors so that, as in the .pte, every
 method reads what the others wrote.
+
+``MethodServer`` does the compiling and running in a fresh child process, each
+call travelling as (method, inputs) over a pipe. A process that had just run
+ExecuTorch's CUDA compile (which patches Triton's compiler settings) crashed in
+AOTInductor's compile of the same graphs; a clean process shares none of that
+state, and a crash there is reported as a validation error instead of killing
+the build. The child rebuilds the graphs itself from a picklable recipe and
+must arrive at the same fingerprint (graph text, every constant's bytes) as the
+parent's: graphs that went through ``torch.export.save``/``load`` compiled to
+wrong code under AOTInductor (an out-of-bounds index on the CPU), so they do
+not travel as files.
 """
 
+import hashlib
+import multiprocessing
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -18,6 +32,7 @@ STORE_PREFIX = "kv_store."
 
 
 def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda") -> dict:
+    """In this process: one AOTInductor package per method, the KV stores bound to shared tensors."""
     from torch.export.passes import move_to_device_pass
 
     stores: dict[str, torch.Tensor] = {}
@@ -46,3 +61,111 @@ def _caller(model, device):
         return [o.cpu() for o in out]
 
     return execute
+
+
+class MethodServerError(RuntimeError):
+    pass
+
+
+def _graph_text(ep: ExportedProgram) -> str:
+    """The graph with nodes numbered by position: node names depend on what ran before in the process."""
+    index = {node: i for i, node in enumerate(ep.graph.nodes)}
+    lines = [f"{node.op} {node.target if node.op != 'placeholder' else ''} "
+             f"{torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f'%{index[n]}')}" for node in ep.graph.nodes]
+    sig = ep.graph_signature
+    lines += [f"in {spec.kind.name} {spec.target}" for spec in sig.input_specs]
+    lines += [f"out {spec.kind.name} {spec.target}" for spec in sig.output_specs]
+    return "\n".join(lines)
+
+
+def fingerprint(programs: dict[str, ExportedProgram]) -> str:
+    """Hash of every method's graph and of its constants' names, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for name in sorted(programs):
+        ep = programs[name]
+        h.update(f"{name}\n{_graph_text(ep)}\n".encode())
+        for fqn, t in sorted({**ep.state_dict, **ep.constants}.items()):
+            if isinstance(t, torch.Tensor):
+                t = t.detach().cpu().contiguous()
+                h.update(f"{fqn}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _serve(conn, recipe, expect: str, device: str) -> None:
+    """Child process: rebuild and compile, then answer (method, inputs) until told to stop (None)."""
+    try:
+        programs = recipe()
+        got = fingerprint(programs)
+        if got != expect:
+            raise MethodServerError(f"the child process rebuilt different graphs (fingerprint {got[:12]}, "
+                                    f"parent's {expect[:12]}): nothing to validate against")
+        runners = compile_methods(programs, device)
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001  (reported to the parent, which raises)
+        conn.send(("error", traceback.format_exc()))
+        return
+    while (request := conn.recv()) is not None:
+        name, args = request
+        try:
+            conn.send(("ok", runners[name](args)))
+        except Exception:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+
+
+class MethodServer:
+    """The methods compiled and run by AOTInductor in a fresh child process.
+
+    ``recipe`` is a picklable callable (a module-level function or a partial of one) that
+    builds ``programs`` anew in the child; the child refuses to serve unless its graphs
+    match ``programs``. ``runners`` maps each method name to callable(list of inputs) ->
+    list of outputs, as ``Session(methods=...)`` takes them. Use as a context manager."""
+
+    def __init__(self, recipe, programs: dict[str, ExportedProgram], device: str = "cuda"):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, recipe, fingerprint(programs), device),
+                                 name="aoti-methods", daemon=True)
+        self._proc.start()
+        child.close()
+        try:
+            self._receive("compiling the methods")
+        except BaseException:
+            self.close()
+            raise
+        self.runners = {name: self._runner(name) for name in programs}
+
+    def _receive(self, doing: str):
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(timeout=10)
+            raise MethodServerError(
+                f"the AOTInductor method process died while {doing} (exit code {self._proc.exitcode})") from None
+        if status == "error":
+            raise MethodServerError(f"the AOTInductor method process failed while {doing}:\n{value}")
+        return value
+
+    def _runner(self, name: str):
+        def execute(args):
+            self._conn.send((name, [a.contiguous() for a in args]))
+            return self._receive(f"running {name}")
+
+        return execute
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

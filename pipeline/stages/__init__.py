@@ -26,7 +26,7 @@ STAGES = {
         Stage("export", ("model", "kv"), (), ("model", "exported")),
         Stage("lower_kv", ("kv", "backend"), ("model", "exported"), ("layout", "lowered", "kv_manifest")),
         Stage("compile", ("backend",), ("layout", "lowered", "kv_manifest"), ("program", "manifest")),
-        Stage("validate", ("validate", "kv", "backend"), ("model", "lowered", "program"), ("validation",)),
+        Stage("validate", ("validate", "model", "kv", "backend"), ("model", "lowered", "program"), ("validation",)),
     )
 }
 

@@ -11,9 +11,12 @@ wrapping.
 needs: model, program    gives: validation (written to validation.json)
 """
 
+import contextlib
 import copy
+import functools
 import json
 from dataclasses import dataclass, field
+import tempfile
 from pathlib import Path
 
 import torch
@@ -106,26 +109,51 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
     return stats
 
 
-def _session(backend: str, inputs: dict, workdir: Path) -> tuple[Session, str]:
-    if backend != "cuda":
-        return Session(workdir), "executorch.runtime (Python bindings), CPU"
-    from pipeline.runtime.aoti import compile_methods
+def backend_graphs(model_cfg, kv_cfg, backend_cfg) -> dict:
+    """export -> lower_kv -> the graphs the backend compiles, from the config alone (the GPU
+    validation's child process rebuilds them this way; configs as plain containers)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.stages import export, lower_kv
+    from pipeline.stages.compile import backend_programs
+
+    model_cfg, kv_cfg, backend_cfg = (OmegaConf.create(c) for c in (model_cfg, kv_cfg, backend_cfg))
+    with tempfile.TemporaryDirectory() as tmp:
+        exported = export.run(model_cfg, kv_cfg, {}, Path(tmp))
+        lowered = lower_kv.run(kv_cfg, backend_cfg, exported, Path(tmp))
+    return backend_programs(lowered["lowered"], backend_cfg.name)
+
+
+@contextlib.contextmanager
+def _session(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
+    """The session the episode drives and a description of the runtime behind it."""
+    if backend_cfg.name != "cuda":
+        yield Session(workdir), "executorch.runtime (Python bindings), CPU"
+        return
+    from omegaconf import OmegaConf
+
+    from pipeline.runtime.aoti import MethodServer
     from pipeline.stages.compile import backend_programs
 
     gpu = torch.cuda.get_device_name()
-    runtime = (f"AOTInductor: the lowered graphs that ExecuTorch's CudaBackend compiles, compiled with "
-               f"torch._inductor.aoti_compile_and_package and run on {gpu} (ExecuTorch's Python runtime has no CUDA backend)")
-    return Session(workdir, methods=compile_methods(backend_programs(inputs["lowered"], backend))), runtime
+    runtime = (f"AOTInductor: the lowered graphs that ExecuTorch's CudaBackend compiles, rebuilt from the "
+               f"config in a child process (same fingerprint), compiled with "
+               f"torch._inductor.aoti_compile_and_package and run on {gpu} "
+               f"(ExecuTorch's Python runtime has no CUDA backend)")
+    recipe = functools.partial(backend_graphs, *(OmegaConf.to_container(c, resolve=True)
+                                                 for c in (model_cfg, kv_cfg, backend_cfg)))
+    with MethodServer(recipe, backend_programs(inputs["lowered"], backend_cfg.name), device="cuda") as server:
+        yield Session(workdir, methods=server.runners), runtime
 
 
-def run(validate_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
+def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
     model = inputs["model"]
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
-    session, runtime = _session(backend_cfg.name, inputs, workdir)
-    scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
-    print(f"  episode: {len(scripts)} sequences through {session.layout} (max_seqs={session.max_seqs})", flush=True)
-    stats = run_episode(session, model, scripts, kv_cfg.causal, validate_cfg.metric)
+    with _session(model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
+        scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
+        print(f"  episode: {len(scripts)} sequences through {session.layout} (max_seqs={session.max_seqs})", flush=True)
+        stats = run_episode(session, model, scripts, kv_cfg.causal, validate_cfg.metric)
     worst = max(max(s.errors) for s in scripts)
     passed = worst <= validate_cfg.tolerance
     report = {
