@@ -13,6 +13,7 @@ NATIVE = os.environ.get("SDPA_VARLEN_NATIVE") == "1"
 if not NATIVE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
+import json
 import math
 import subprocess
 import sys
@@ -286,3 +287,71 @@ def test_native_torch_compile_dynamic():
         out = fn(*args)
         ref = ref64(*args, 6, 0.1, True, 0)
         assert (out.double().cpu() - ref).abs().max().item() <= TOL[torch.bfloat16]
+
+
+@needs_kernels
+def test_planned_ops_match_one_call():
+    """plan + attend (what lower_kv emits for CUDA) computes exactly what the one-call op does."""
+    args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=9)
+    q, k, v, q_pos, q_cols, seq_info = args
+    one = torch.ops.kvcache.sdpa_varlen_triton(*args, 5, 0.25, True, 6)
+    plan = torch.ops.kvcache.sdpa_varlen_plan(q_pos, q_cols, seq_info, 5, True, 6, 4, 2, 16, 16, q.element_size())
+    two = torch.ops.kvcache.sdpa_varlen_attend(q, k, v, q_pos, plan, 5, 0.25, True, 6)
+    assert torch.equal(one, two)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fq, fqp, fqc, fsi = (mode.from_tensor(a) for a in (q, q_pos, q_cols, seq_info))
+        fplan = torch.ops.kvcache.sdpa_varlen_plan(fqp, fqc, fsi, 5, True, 6, 4, 2, 16, 16, q.element_size())
+    assert fplan.shape == plan.shape and fplan.dtype == plan.dtype
+
+
+@needs_kernels
+def test_merge_of_many_splits(monkeypatch):
+    """A long sequence split many times, merged a few splits per load (odd remainder included)."""
+    monkeypatch.setattr(K, "_MERGE_TILE", 2 * 2 * 16)  # 2 splits per load for G_PAD=2, DV=16
+    seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
+            dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
+    args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4)
+    _, _, n_split = check(args, 2, True, 0, expect_split=True, block_n=16, target_ctas=64, min_chunk=16)
+    plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, block_n=16, target_ctas=64,
+                                     min_chunk=16)[1]
+    assert int(plan[3]) * 5 <= 300, "the long sequence should have at least 5 splits"
+
+
+@needs_kernels
+def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
+    """The graphs lower_kv builds for backend=cuda (one plan per layer kind, Triton attention
+    per layer; here in the interpreter), driven through a continuous-batching episode with
+    the methods sharing their KV stores, match the eager oracle."""
+    from conftest import compose_config
+    from pipeline.kv.manifest import manifest
+    from pipeline.runtime.session import Session
+    from pipeline.stages import export, lower_kv, validate
+
+    monkeypatch.setattr(K, "TARGET_CTAS", 8)  # few programs per launch: the interpreter is slow
+    monkeypatch.setattr(K, "MIN_CHUNK", 16)  # and splits even on short histories
+    cfg = compose_config("kv=sequence", "kv.max_seqs=2", "kv.max_step_tokens=8", "backend=cuda",
+                         "validate.prompt_lengths=[11,4,13]", "validate.decode_steps=12")
+    exported = export.run(cfg.model, cfg.kv, {}, tmp_path)
+    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp_path)
+    kinds = {layer["kind"] for layer in lowered["kv_manifest"]["layers"]}
+    for name in ("forward_from_embeddings", "decode_from_embedding"):
+        targets = [str(n.target) for n in lowered["lowered"][name].graph.nodes if n.op == "call_function"]
+        assert targets.count("kvcache.sdpa_varlen_plan.default") == len(kinds)  # once per layer kind
+        assert targets.count("kvcache.sdpa_varlen_attend.default") == cfg.model.n_layers
+    stores, runners = {}, {}
+    for name, ep in lowered["lowered"].items():
+        module = ep.module()
+        for fqn, buf in list(module.named_buffers()):
+            if fqn.startswith("kv_store."):  # one set of stores for every method, as in the .pte
+                setattr(module.kv_store, fqn.split(".", 1)[1], stores.setdefault(fqn, torch.randn_like(buf)))
+        runners[name] = lambda args, m=module: [m(*args)]
+    methods = {name: [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+               for name, ep in lowered["lowered"].items()}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(lowered["kv_manifest"], "cuda", "-", [], methods)))
+    session = Session(tmp_path, methods=runners)
+    model = exported["model"]
+    scripts = validate.plan(cfg.validate, session.max_seqs, model.args.vocab_size)
+    stats = validate.run_episode(session, model, scripts, causal=True)
+    assert stats["decode_steps"] > 0 and stats["mixed_steps"] > 0
+    assert max(max(s.errors) for s in scripts) < 1e-4

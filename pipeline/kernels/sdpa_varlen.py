@@ -1,12 +1,16 @@
 """Triton implementation of ``kvcache::sdpa_varlen`` (contract in ``reference.py``).
 
-Registered as ``kvcache::sdpa_varlen_triton`` through ``torch.library.triton_op``
-with the same signature as ``kvcache::sdpa_varlen``, so it survives
-``torch.export`` and AOTInductor (ExecuTorch's CUDA backend).
+Registered through ``torch.library.triton_op`` (so it survives ``torch.export``
+and AOTInductor, ExecuTorch's CUDA backend) in two forms:
 
-One call launches three kernels (the second twice: one-token blocks and
-multi-token blocks, each with its own tile, warps and stages), with no host
-synchronisation:
+- ``kvcache::sdpa_varlen_triton``: the signature of ``kvcache::sdpa_varlen``, one call.
+- ``kvcache::sdpa_varlen_plan`` + ``kvcache::sdpa_varlen_attend``: the same split in
+  two, which ``lower_kv`` emits for ``backend=cuda``: the plan depends only on the
+  step buffers and the bounds, so a lowered model computes it once per step and
+  layer kind, and each layer only attends.
+
+The kernels, with no host synchronisation (the attention kernel launched twice:
+one-token blocks and multi-token blocks, each with its own tile, warps and stages):
 
 1. ``_plan_kernel`` (one program) splits the query tokens into *blocks* (at most
    ``TOKB`` consecutive tokens of one column with consecutive positions; a new
@@ -28,11 +32,14 @@ synchronisation:
    blocks (prefill chunks, draft blocks) a [BLOCK_M, D] tile on the tensor
    cores.  Unsplit blocks write the normalised output directly; split blocks
    write fp32 partials (acc, max, sum) to a scratch pool.
-3. ``_merge_kernel`` merges the partials of split blocks with a log-sum-exp.
+3. ``_merge_kernel`` merges the partials of split blocks with a log-sum-exp, one
+   program per (split block, KV head), loading many splits at a time.
 
 Scores, softmax and accumulation are fp32; P is cast to V's dtype for the
 second product (as in FlashAttention).  A query that sees no key gets zeros.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,6 +64,7 @@ MIN_CHUNK = 256  # smallest split (keys); rounded up to the key tile
 _NBF = 12  # int32 fields per block in the plan
 _HDR = 16  # header words of the plan
 _CH = 1024  # vector width of the plan kernel's passes
+_MERGE_TILE = 8192  # fp32 partial elements per merge load (SPL splits x G_PAD heads x DV)
 _LOG2E = 1.4426950408889634
 
 
@@ -370,9 +378,12 @@ def _sdpa_varlen_fwd(
 @triton.jit
 def _merge_kernel(
     out, plan, part_o, part_ml, stride_ot, stride_oh, NB_MAX, W_MAX,
-    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr, SPL: tl.constexpr,
     NBF: tl.constexpr, HDR: tl.constexpr,
 ):
+    """One program per (split block, KV head): for each token of the block, the G query
+    heads' partials of all its splits, SPL splits per load (a long sequence's block can
+    have hundreds of splits)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     n_split = tl.load(plan + 2)
@@ -384,32 +395,32 @@ def _merge_kernel(
         ntok = tl.load(bp + 1)
         ns = tl.load(bp + 8)
         pslot = tl.load(bp + 10)
-        r = tl.arange(0, BLOCK_M)
-        tok_in = r // G_PAD
-        hg = r % G_PAD
-        rvalid = (tok_in < ntok) & (hg < G)
+        hg = tl.arange(0, G_PAD)
+        hvalid = hg < G
+        sp = tl.arange(0, SPL)
         offs_dv = tl.arange(0, DV)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DV], tl.float32)
-        for s in range(0, ns):
-            base = ((pslot + s).to(tl.int64) * tl.num_programs(1) + h) * BLOCK_M
-            ms = tl.load(part_ml + (base + r) * 2, mask=rvalid, other=float("-inf"))
-            ls = tl.load(part_ml + (base + r) * 2 + 1, mask=rvalid, other=0.0)
-            os_ = tl.load(part_o + (base + r)[:, None] * DV + offs_dv[None, :], mask=rvalid[:, None], other=0.0)
-            m_new = tl.maximum(m_i, ms)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.math.exp2(m_i - m_use)
-            c = tl.math.exp2(ms - m_use)
-            acc = acc * a[:, None] + os_ * c[:, None]
-            l_i = l_i * a + ls * c
-            m_i = m_new
-        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
-        o = acc * inv[:, None]
-        tok = tok0 + tok_in
-        qhead = h * G + hg
-        op = out + tok.to(tl.int64)[:, None] * stride_ot + qhead[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(op, o.to(out.dtype.element_ty), mask=rvalid[:, None])
+        for t in range(0, ntok):
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, DV], tl.float32)
+            for s0 in range(0, ns, SPL):
+                sidx = s0 + sp
+                rows = ((pslot + sidx).to(tl.int64) * tl.num_programs(1) + h)[:, None] * PM + (t * G_PAD + hg)[None, :]
+                ok = (sidx < ns)[:, None] & hvalid[None, :]  # [SPL, G_PAD]
+                ms = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"))
+                ls = tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0)
+                os_ = tl.load(part_o + rows[:, :, None] * DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0)
+                m_new = tl.maximum(m_i, tl.max(ms, 0))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                a = tl.math.exp2(m_i - m_use)
+                c = tl.math.exp2(ms - m_use[None, :])  # masked splits: exp2(-inf) = 0
+                acc = acc * a[:, None] + tl.sum(os_ * c[:, :, None], 0)
+                l_i = l_i * a + tl.sum(ls * c, 0)
+                m_i = m_new
+            inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+            o = acc * inv[:, None]
+            op = out + (tok0 + t).to(tl.int64) * stride_ot + (h * G + hg)[:, None] * stride_oh + offs_dv[None, :]
+            tl.store(op, o.to(out.dtype.element_ty), mask=hvalid[:, None])
 
 
 # ------------------------------------------------------------------------ launch
@@ -423,92 +434,126 @@ def _sym_min(a, b):
     return torch.sym_min(a, b)
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """Tiles and buffer sizes of one call, from shapes and the tuning constants only.
+    Sizes are SymInts under tracing; the plan op and the attention op agree on them."""
+    g: int
+    g_pad: int
+    block_m: int
+    tokb: int
+    m_dec: int
+    bn_dec: int
+    bn_pre: int
+    dec_stages: int
+    pre_stages: int
+    min_chunk: int
+    target_items: int
+    nb_max: object
+    w_max: object
+    rec_off: object
+    plan_len: object
+
+
+def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes: int,
+             *, block_n: int | None = None, target_ctas: int | None = None, min_chunk: int | None = None) -> Geometry:
+    target_ctas = TARGET_CTAS if target_ctas is None else target_ctas
+    g = hq // hkv
+    g_pad = _next_pow2(g)
+    # key tiles are tuned for 2-byte elements and D <= 128: shrink for more bytes per key
+    shrink = max(1, max(d, dv) * elem_bytes // 256)
+    block_m = max(PRE_BLOCK_M, 2 * g_pad)
+    tokb = block_m // g_pad
+    # upper bounds from shapes only (no host sync); blocks: see the module docstring
+    nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
+    target_items = max(1, -(-target_ctas // hkv))
+    w_max = nb_max + target_items
+    rec_off = _HDR + nb_max * _NBF + 2 * w_max + target_items
+    return Geometry(
+        g=g, g_pad=g_pad, block_m=block_m, tokb=tokb, m_dec=max(16, g_pad),
+        bn_dec=block_n if block_n is not None else max(16, DEC_BLOCK_N // shrink),
+        bn_pre=block_n if block_n is not None else max(16, PRE_BLOCK_N // shrink),
+        dec_stages=DEC_STAGES if elem_bytes <= 2 else 2, pre_stages=PRE_STAGES if elem_bytes <= 2 else 2,
+        min_chunk=MIN_CHUNK if min_chunk is None else min_chunk, target_items=target_items,
+        nb_max=nb_max, w_max=w_max, rec_off=rec_off, plan_len=rec_off + w_max * _NBF,
+    )
+
+
+def _geometry_of(q: Tensor, k_store: Tensor, v_store: Tensor, columns: int, **tuning) -> Geometry:
+    return geometry(q.shape[0], columns, q.shape[1], k_store.shape[1], q.shape[2], v_store.shape[-1],
+                    q.element_size(), **tuning)
+
+
+def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, causal: bool, window: int,
+              geo: Geometry, launch=None) -> Tensor:
+    """The work list of one step for every layer that shares these step buffers and bounds."""
+    wrap = launch if launch is not None else (lambda fn: fn)
+    plan = torch.empty(geo.plan_len, dtype=torch.int32, device=q_pos.device)
+    col_seg = torch.empty(2 * columns, dtype=torch.int32, device=q_pos.device)
+    wrap(_plan_kernel)[(1,)](
+        q_pos.contiguous(), q_cols.contiguous(), seq_info.contiguous(), plan, col_seg,
+        q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.target_items, geo.min_chunk,
+        CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=max(geo.bn_dec, geo.bn_pre), CH=_CH,
+        NBF=_NBF, HDR=_HDR, num_warps=4,
+    )
+    return plan
+
+
+def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan: Tensor, columns: int,
+                scale: float, causal: bool, window: int, geo: Geometry, launch=None) -> Tensor:
+    """Attention of one layer along a plan from ``plan_impl`` (2 attention launches + the merge)."""
+    wrap = launch if launch is not None else (lambda fn: fn)
+    n_tok, hq, d = q.shape
+    hkv, dv = k_store.shape[1], v_store.shape[-1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
+    v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
+    out = q.new_empty(n_tok, hq, dv)
+    p_max = 2 * geo.target_items  # split items never exceed 2x the target (see the plan)
+    part_o = torch.empty(p_max * hkv * geo.block_m * dv, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(p_max * hkv * geo.block_m * 2, dtype=torch.float32, device=q.device)
+    fwd_args = (
+        q, k_store, v_store, out, q_pos.contiguous(), plan, part_o, part_ml,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
+        v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
+        columns, scale * _LOG2E, window, geo.rec_off,
+    )
+    fwd_kw = dict(
+        G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, M_DEC=geo.m_dec,
+        CAUSAL=causal, HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
+        UPCAST=_interpreted() and q.dtype == torch.bfloat16, NBF=_NBF, HDR=_HDR,
+    )
+    grid = (geo.w_max, hkv)
+    if SPLIT_LAUNCH:
+        # the tile of the other path is passed equal to this one's: no extra specialisations
+        wrap(_sdpa_varlen_fwd)[grid](*fwd_args, MODE=1, BN_DEC=geo.bn_dec, BN_PRE=geo.bn_dec, **fwd_kw,
+                                     num_warps=DEC_WARPS, num_stages=geo.dec_stages)
+        wrap(_sdpa_varlen_fwd)[grid](*fwd_args, MODE=2, BN_DEC=geo.bn_pre, BN_PRE=geo.bn_pre, **fwd_kw,
+                                     num_warps=PRE_WARPS, num_stages=geo.pre_stages)
+    else:
+        wrap(_sdpa_varlen_fwd)[grid](*fwd_args, MODE=0, BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, **fwd_kw,
+                                     num_warps=PRE_WARPS, num_stages=geo.pre_stages)
+    spl = min(64, 1 << (max(1, _MERGE_TILE // (geo.g_pad * dv)).bit_length() - 1))  # a power of two
+    wrap(_merge_kernel)[(geo.target_items, hkv)](
+        out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.nb_max, geo.w_max,
+        G=geo.g, G_PAD=geo.g_pad, DV=dv, PM=geo.block_m, SPL=spl, NBF=_NBF, HDR=_HDR, num_warps=4,
+    )
+    return out
+
+
 def sdpa_varlen_triton_impl(
     q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
     seq_info: Tensor, columns: int, scale: float, causal: bool, window: int,
     *, block_n: int | None = None, target_ctas: int | None = None, min_chunk: int | None = None,
     launch=None, return_plan: bool = False,
 ):
-    """Launch the three kernels; keywords override the module's tuning constants
+    """Plan and attend in one call; keywords override the module's tuning constants
     (tests use them to force many splits).  ``launch`` wraps each kernel
     (``wrap_triton`` inside the op, identity when called directly)."""
-    wrap = launch if launch is not None else (lambda fn: fn)
-    target_ctas = TARGET_CTAS if target_ctas is None else target_ctas
-    min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
-
-    n_tok, hq, d = q.shape
-    hkv = k_store.shape[1]
-    dv = v_store.shape[-1]
-    g = hq // hkv
-    g_pad = _next_pow2(g)
-    # key tiles are tuned for 2-byte elements and D <= 128: shrink for more bytes per key
-    shrink = max(1, max(d, dv) * q.element_size() // 256)
-    dec_stages = DEC_STAGES if q.element_size() <= 2 else 2
-    pre_stages = PRE_STAGES if q.element_size() <= 2 else 2
-    bn_dec = block_n if block_n is not None else max(16, DEC_BLOCK_N // shrink)
-    bn_pre = block_n if block_n is not None else max(16, PRE_BLOCK_N // shrink)
-    bn_max = max(bn_dec, bn_pre)
-    block_m = max(PRE_BLOCK_M, 2 * g_pad)
-    tokb = block_m // g_pad
-    m_dec = max(16, g_pad)
-    n_seg = seq_info.shape[0]
-
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
-    v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
-    q_pos = q_pos.contiguous()
-    q_cols = q_cols.contiguous()
-    seq_info = seq_info.contiguous()
-
-    # Upper bounds from shapes only (no host sync).
-    nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
-    target_items = max(1, -(-target_ctas // hkv))
-    w_max = nb_max + target_items
-    p_max = 2 * target_items
-
-    out = q.new_empty(n_tok, hq, dv)
-    rec_off = _HDR + nb_max * _NBF + 2 * w_max + target_items
-    plan = torch.empty(rec_off + w_max * _NBF, dtype=torch.int32, device=q.device)
-    col_seg = torch.empty(2 * columns, dtype=torch.int32, device=q.device)
-    part_o = torch.empty(p_max * hkv * block_m * dv, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(p_max * hkv * block_m * 2, dtype=torch.float32, device=q.device)
-    has_window = window > 0
-    ieee = q.dtype == torch.float32
-
-    wrap(_plan_kernel)[(1,)](
-        q_pos, q_cols, seq_info, plan, col_seg,
-        n_tok, n_seg, columns, window, nb_max, w_max, target_items, min_chunk,
-        CAUSAL=causal, HAS_WINDOW=has_window, TOKB=tokb, BN=bn_max, CH=_CH, NBF=_NBF, HDR=_HDR,
-        num_warps=4,
-    )
-    fwd_args = (
-        q, k_store, v_store, out, q_pos, plan, part_o, part_ml,
-        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
-        v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
-        columns, scale * _LOG2E, window, rec_off,
-    )
-    fwd_kw = dict(
-        G=g, G_PAD=g_pad, D=d, DV=dv, BLOCK_M=block_m, M_DEC=m_dec,
-        CAUSAL=causal, HAS_WINDOW=has_window, IEEE=ieee, UPCAST=_interpreted() and q.dtype == torch.bfloat16,
-        NBF=_NBF, HDR=_HDR,
-    )
-    if SPLIT_LAUNCH:
-        # the tile of the other path is passed equal to this one's: no extra specialisations
-        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=1, BN_DEC=bn_dec, BN_PRE=bn_dec, **fwd_kw,
-                                             num_warps=DEC_WARPS, num_stages=dec_stages)
-        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=2, BN_DEC=bn_pre, BN_PRE=bn_pre, **fwd_kw,
-                                             num_warps=PRE_WARPS, num_stages=pre_stages)
-    else:
-        wrap(_sdpa_varlen_fwd)[(w_max, hkv)](*fwd_args, MODE=0, BN_DEC=bn_dec, BN_PRE=bn_pre, **fwd_kw,
-                                             num_warps=PRE_WARPS, num_stages=pre_stages)
-    wrap(_merge_kernel)[(target_items, hkv)](
-        out, plan, part_o, part_ml, out.stride(0), out.stride(1), nb_max,
-        w_max, G=g, G_PAD=g_pad, DV=dv, BLOCK_M=block_m, NBF=_NBF, HDR=_HDR,
-        num_warps=4,
-    )
-    if return_plan:
-        return out, plan
-    return out
+    geo = _geometry_of(q, k_store, v_store, columns, block_n=block_n, target_ctas=target_ctas, min_chunk=min_chunk)
+    plan = plan_impl(q_pos, q_cols, seq_info, columns, causal, window, geo, launch)
+    out = attend_impl(q, k_store, v_store, q_pos, plan, columns, scale, causal, window, geo, launch)
+    return (out, plan) if return_plan else out
 
 
 @triton_op("kvcache::sdpa_varlen_triton", mutates_args=())
@@ -523,4 +568,35 @@ def sdpa_varlen_triton(
 
 @sdpa_varlen_triton.register_fake
 def _(q, k_store, v_store, q_pos, q_cols, seq_info, columns, scale, causal, window):
+    return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])
+
+
+# The same computation as two ops, so that a lowered model plans once per step and layer
+# kind (the plan depends only on the step buffers and the bounds) and attends per layer.
+@triton_op("kvcache::sdpa_varlen_plan", mutates_args=())
+def sdpa_varlen_plan(
+    q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, causal: bool, window: int,
+    n_q_heads: int, n_kv_heads: int, head_dim: int, v_head_dim: int, elem_bytes: int,
+) -> Tensor:
+    geo = geometry(q_pos.shape[0], columns, n_q_heads, n_kv_heads, head_dim, v_head_dim, elem_bytes)
+    return plan_impl(q_pos, q_cols, seq_info, columns, causal, window, geo, launch=wrap_triton)
+
+
+@sdpa_varlen_plan.register_fake
+def _(q_pos, q_cols, seq_info, columns, causal, window, n_q_heads, n_kv_heads, head_dim, v_head_dim, elem_bytes):
+    geo = geometry(q_pos.shape[0], columns, n_q_heads, n_kv_heads, head_dim, v_head_dim, elem_bytes)
+    return q_pos.new_empty(geo.plan_len, dtype=torch.int32)
+
+
+@triton_op("kvcache::sdpa_varlen_attend", mutates_args=())
+def sdpa_varlen_attend(
+    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan: Tensor,
+    columns: int, scale: float, causal: bool, window: int,
+) -> Tensor:
+    geo = _geometry_of(q, k_store, v_store, columns)
+    return attend_impl(q, k_store, v_store, q_pos, plan, columns, scale, causal, window, geo, launch=wrap_triton)
+
+
+@sdpa_varlen_attend.register_fake
+def _(q, k_store, v_store, q_pos, plan, columns, scale, causal, window):
     return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])

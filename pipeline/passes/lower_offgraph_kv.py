@@ -56,9 +56,12 @@ def _example_step_buffers(layout: KVLayout, n_tokens: int) -> tuple[torch.Tensor
 
 def lower_offgraph_kv(
     ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs,
-    sdpa_varlen=torch.ops.kvcache.sdpa_varlen.default,
+    sdpa_varlen=torch.ops.kvcache.sdpa_varlen.default, sdpa_plan=None,
 ) -> ExportedProgram:
-    """Rewrite every neutral KV node of ``ep``; ``sdpa_varlen`` picks the kernel (ATen or Triton)."""
+    """Rewrite every neutral KV node of ``ep``; ``sdpa_varlen`` picks the kernel (ATen or Triton).
+
+    With ``sdpa_plan`` (``kvcache::sdpa_varlen_plan``), ``sdpa_varlen`` is the planned form
+    (``kvcache::sdpa_varlen_attend``): one plan per layer kind, shared by its layers."""
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
     unlifted = ep.module()
@@ -75,6 +78,7 @@ def lower_offgraph_kv(
 
     targets = [n for n in graph.nodes if n.op == "call_function" and n.target == NEUTRAL_OP]
     slots_by_kind: dict[str, fx.Node] = {}
+    plans_by_kind: dict[str, fx.Node] = {}
     for node in targets:
         q, k, v, position, layer_id, scale = node.args
         if not isinstance(layer_id, int) or not 0 <= layer_id < len(layout.layers):
@@ -122,9 +126,19 @@ def lower_offgraph_kv(
                     scale, layout.causal, layer.window))
             else:
                 cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
-                out = call(sdpa_varlen, (
-                    q_tok, k_store, v_store, pos, cols, step[f"seq_info_{layer.kind}"],
-                    layout.columns, scale, layout.causal, layer.window))
+                seq_info = step[f"seq_info_{layer.kind}"]
+                if sdpa_plan is None:
+                    out = call(sdpa_varlen, (
+                        q_tok, k_store, v_store, pos, cols, seq_info, layout.columns, scale, layout.causal, layer.window))
+                else:
+                    if layer.kind not in plans_by_kind:  # every layer of a kind has the same bounds and shapes
+                        qv, vv = q.meta["val"], v.meta["val"]
+                        plans_by_kind[layer.kind] = call(sdpa_plan, (
+                            pos, cols, seq_info, layout.columns, layout.causal, layer.window, qv.shape[1],
+                            layout.n_kv_heads, layout.head_dim, vv.shape[-1], qv.element_size()))
+                    out = call(sdpa_varlen, (
+                        q_tok, k_store, v_store, pos, plans_by_kind[layer.kind], layout.columns, scale,
+                        layout.causal, layer.window))
             out = call(aten.unsqueeze.default, (call(aten.permute.default, (out, [1, 0, 2])), 0))  # [1, Hq, T, Dv]
         node.replace_all_uses_with(out)
         graph.erase_node(node)

@@ -10,13 +10,15 @@ from pipeline.kv.manifest import kv_section
 from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
 
 
-def attention_kernel(backend: str):
-    """The sdpa_varlen implementation the backend runs: Triton on CUDA, ATen on CPU backends."""
+def attention_kernel(backend: str) -> dict:
+    """The sdpa_varlen implementation the backend runs: on CUDA the Triton kernel, planned once
+    per step and layer kind; ATen on CPU backends."""
     if backend == "cuda":
-        from pipeline.kernels.sdpa_varlen import sdpa_varlen_triton  # noqa: F401  (registers the op)
+        from pipeline.kernels import sdpa_varlen  # noqa: F401  (registers the Triton ops)
 
-        return torch.ops.kvcache.sdpa_varlen_triton.default
-    return torch.ops.kvcache.sdpa_varlen.default
+        return {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen_attend.default,
+                "sdpa_plan": torch.ops.kvcache.sdpa_varlen_plan.default}
+    return {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen.default}
 
 
 def run(kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
@@ -28,5 +30,5 @@ def run(kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
             lowered[name] = ep  # embed_text reads no cache
             continue
         print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {layout.layout} store + attention", flush=True)
-        lowered[name] = lower_offgraph_kv(ep, layout, spec, sdpa_varlen=kernel)
+        lowered[name] = lower_offgraph_kv(ep, layout, spec, **kernel)
     return {"layout": layout, "lowered": lowered, "kv_manifest": kv_section(layout)}
