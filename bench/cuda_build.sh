@@ -15,9 +15,10 @@ experiments=("$@"); [ ${#experiments[@]} -gt 0 ] || experiments=(cuda_batched8 c
 status=0
 for exp in "${experiments[@]}"; do
   start=$(date +%s)
-  python3 -m pipeline experiment="$exp" output_root=/tmp/outputs > "$OUT/$exp.log" 2>&1 || status=1
-  echo "$exp: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
-  grep -vE "Warning|warn|cpuinfo|copyreg|return cls|W11|^\s*$" "$OUT/$exp.log" | tail -25
+  python3 -m pipeline experiment="$exp" output_root=/tmp/outputs > "$OUT/$exp.log" 2>&1
+  rc=$?; [ $rc -eq 0 ] || status=1
+  echo "$exp: exit $rc, $(( $(date +%s) - start )) s"
+  grep -vE "Warning|warn|cpuinfo|copyreg|return cls|W11|AUTOTUNE|triton_mm|strides:|dtypes:|Autotune|best_kernel|^\s*$" "$OUT/$exp.log" | tail -25
   version=$(ls -d /tmp/outputs/"$exp"/v* 2>/dev/null | tail -1)
   [ -n "$version" ] || version=$(ls -d /tmp/outputs/"$exp"/.failed/* 2>/dev/null | tail -1)
   [ -n "$version" ] && ls -la "$version" >> "$OUT/$exp.log"

@@ -21,6 +21,7 @@ not travel as files.
 
 import hashlib
 import multiprocessing
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -100,6 +101,11 @@ def _serve(conn, recipe, expect: str, device: str) -> None:
         if got != expect:
             raise MethodServerError(f"the child process rebuilt different graphs (fingerprint {got[:12]}, "
                                     f"parent's {expect[:12]}): nothing to validate against")
+        # executorch (and the torchao it imports) load native libraries of their own; a process that
+        # had imported them crashed (SIGSEGV) in AOTInductor's CUDA compile, so none may be loaded here
+        loaded = sorted({m.split(".")[0] for m in sys.modules} & {"executorch", "torchao"})
+        if loaded:
+            raise MethodServerError(f"{', '.join(loaded)} got imported in the AOTInductor process; keep them out")
         runners = compile_methods(programs, device)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which raises)

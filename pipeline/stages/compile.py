@@ -14,8 +14,6 @@ import json
 from pathlib import Path
 
 import torch
-from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-from executorch.exir.passes import MemoryPlanningPass
 
 from pipeline.kernels.reference import ATEN_DECOMPOSITIONS
 from pipeline.kv.manifest import constant_methods, manifest
@@ -55,6 +53,11 @@ def backend_programs(lowered: dict, backend: str) -> dict:
 
 
 def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
+    # imported here: backend_programs must stay free of executorch (and the torchao it loads), which
+    # the GPU validation's AOTInductor process keeps out (see pipeline/runtime/aoti.py)
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
     layout, lowered = inputs["layout"], inputs["lowered"]
     backend = backend_cfg.name
     programs = backend_programs(lowered, backend)
