@@ -8,11 +8,11 @@ by one set of user-managed device tensors so that, as in the .pte, every
 method reads what the others wrote.
 
 ``MethodServer`` does the compiling and running in a fresh child process, each
-call travelling as (method, inputs) over a pipe. A process that had just run
-ExecuTorch's CUDA compile (which patches Triton's compiler settings) crashed in
-AOTInductor's compile of the same graphs; a clean process shares none of that
-state, and a crash there is reported as a validation error instead of killing
-the build. The child rebuilds the graphs itself from a picklable recipe and
+call travelling as (method, inputs) over a pipe, so that nothing of ExecuTorch's
+CUDA compile in the build process is shared, and a crash there is reported as a
+validation error instead of killing the build. (On the H200, torch 2.11, the
+child still died with SIGSEGV in the AOTInductor compile of ``embed_text``, with
+neither executorch nor torchao loaded: not diagnosed yet.) The child rebuilds the graphs itself from a picklable recipe and
 must arrive at the same fingerprint (graph text, every constant's bytes) as the
 parent's: graphs that went through ``torch.export.save``/``load`` compiled to
 wrong code under AOTInductor (an out-of-bounds index on the CPU), so they do
@@ -101,8 +101,8 @@ def _serve(conn, recipe, expect: str, device: str) -> None:
         if got != expect:
             raise MethodServerError(f"the child process rebuilt different graphs (fingerprint {got[:12]}, "
                                     f"parent's {expect[:12]}): nothing to validate against")
-        # executorch (and the torchao it imports) load native libraries of their own; a process that
-        # had imported them crashed (SIGSEGV) in AOTInductor's CUDA compile, so none may be loaded here
+        # executorch (and the torchao it imports) load native libraries of their own: none of them here,
+        # so that this process holds only torch's
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"executorch", "torchao"})
         if loaded:
             raise MethodServerError(f"{', '.join(loaded)} got imported in the AOTInductor process; keep them out")
