@@ -2,8 +2,6 @@
 rebuilds the graphs from the config, refuses graphs that differ from the parent's, and its
 separately compiled methods share one set of KV stores and match the oracle."""
 
-import functools
-
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -18,9 +16,7 @@ OVERRIDES = ("kv=cell", "kv.max_seqs=2", "kv.capacity=128", "backend=portable", 
 
 
 def _recipe(cfg, **model_changes):
-    model = {**OmegaConf.to_container(cfg.model, resolve=True), **model_changes}
-    return functools.partial(validate.backend_graphs, model, *(OmegaConf.to_container(c, resolve=True)
-                                                               for c in (cfg.kv, cfg.backend)))
+    return validate.graphs_recipe(OmegaConf.merge(cfg.model, model_changes), cfg.kv, cfg.backend)
 
 
 @pytest.fixture(scope="module")

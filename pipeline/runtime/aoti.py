@@ -12,8 +12,8 @@ call travelling as (method, inputs) over a pipe, so that nothing of ExecuTorch's
 CUDA compile in the build process is shared, and a crash there is reported as a
 validation error instead of killing the build. (On the H200, torch 2.11, the
 child still died with SIGSEGV in the AOTInductor compile of ``embed_text``, with
-neither executorch nor torchao loaded: not diagnosed yet.) The child rebuilds the graphs itself from a picklable recipe and
-must arrive at the same fingerprint (graph text, every constant's bytes) as the
+neither executorch nor torchao loaded: not diagnosed yet.) The child rebuilds
+the graphs itself from a picklable recipe and must arrive at the same fingerprint (graph text, every constant's bytes) as the
 parent's: graphs that went through ``torch.export.save``/``load`` compiled to
 wrong code under AOTInductor (an out-of-bounds index on the CPU), so they do
 not travel as files.

@@ -15,8 +15,8 @@ import contextlib
 import copy
 import functools
 import json
-from dataclasses import dataclass, field
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -124,14 +124,20 @@ def backend_graphs(model_cfg, kv_cfg, backend_cfg) -> dict:
     return backend_programs(lowered["lowered"], backend_cfg.name)
 
 
+def graphs_recipe(model_cfg, kv_cfg, backend_cfg):
+    """``backend_graphs`` for these sections as a picklable call (for a child process)."""
+    from omegaconf import OmegaConf
+
+    return functools.partial(backend_graphs, *(OmegaConf.to_container(c, resolve=True)
+                                               for c in (model_cfg, kv_cfg, backend_cfg)))
+
+
 @contextlib.contextmanager
 def _session(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
     """The session the episode drives and a description of the runtime behind it."""
     if backend_cfg.name != "cuda":
         yield Session(workdir), "executorch.runtime (Python bindings), CPU"
         return
-    from omegaconf import OmegaConf
-
     from pipeline.runtime.aoti import MethodServer
     from pipeline.stages.compile import backend_programs
 
@@ -140,9 +146,7 @@ def _session(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
                f"config in a child process (same fingerprint), compiled with "
                f"torch._inductor.aoti_compile_and_package and run on {gpu} "
                f"(ExecuTorch's Python runtime has no CUDA backend)")
-    recipe = functools.partial(backend_graphs, *(OmegaConf.to_container(c, resolve=True)
-                                                 for c in (model_cfg, kv_cfg, backend_cfg)))
-    with MethodServer(recipe, backend_programs(inputs["lowered"], backend_cfg.name), device="cuda") as server:
+    with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), backend_programs(inputs["lowered"], backend_cfg.name), device="cuda") as server:
         yield Session(workdir, methods=server.runners), runtime
 
 
