@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on a CUDA GPU: build and validate the CUDA artifacts (batched-sequence and cell),
-# collecting logs, manifests, validation reports and build records under $OUT.
+# the experiments side by side, collecting logs, manifests, validation reports and build records under $OUT.
 #   bash bench/cuda_build.sh [experiment ...]     (default: cuda_batched8 cuda_cell4)
 # Needs the carried wheels in .whl/ (executorch 1.5.1, hydra-core, omegaconf, antlr4, ...): README "GPU".
 set -uo pipefail
@@ -12,18 +12,26 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 experiments=("$@"); [ ${#experiments[@]} -gt 0 ] || experiments=(cuda_batched8 cuda_cell4)
+
+build() {  # one experiment; its exit code and time in $OUT/$1.rc
+  local exp=$1 start; start=$(date +%s)
+  python3 -m pipeline experiment="$exp" output_root=/tmp/outputs > "$OUT/$exp.log" 2>&1
+  echo "$? $(( $(date +%s) - start ))" > "$OUT/$exp.rc"
+}
+for exp in "${experiments[@]}"; do build "$exp" & done
+wait
+
 status=0
 for exp in "${experiments[@]}"; do
-  start=$(date +%s)
-  python3 -m pipeline experiment="$exp" output_root=/tmp/outputs > "$OUT/$exp.log" 2>&1
-  rc=$?; [ $rc -eq 0 ] || status=1
-  echo "$exp: exit $rc, $(( $(date +%s) - start )) s"
-  grep -vE "Warning|warn|cpuinfo|copyreg|return cls|W11|AUTOTUNE|triton_mm|strides:|dtypes:|Autotune|best_kernel|^\s*$" "$OUT/$exp.log" | tail -25
+  read -r rc seconds < "$OUT/$exp.rc"
+  [ "$rc" -eq 0 ] || status=1
+  echo "== $exp: exit $rc, $seconds s"
+  grep -vE "Warning|warn|cpuinfo|copyreg|return cls|W11|W12|AUTOTUNE|triton_mm|strides:|dtypes:|Autotune|best_kernel|^\s*$" "$OUT/$exp.log" | tail -25
   version=$(ls -d /tmp/outputs/"$exp"/v* 2>/dev/null | tail -1)
   [ -n "$version" ] || version=$(ls -d /tmp/outputs/"$exp"/.failed/* 2>/dev/null | tail -1)
   [ -n "$version" ] && ls -la "$version" >> "$OUT/$exp.log"
   for f in manifest.json validation.json build.json; do
-    [ -f "$version/$f" ] && cp "$version/$f" "$OUT/$exp.$f"
+    [ -n "$version" ] && [ -f "$version/$f" ] && cp "$version/$f" "$OUT/$exp.$f"
   done
 done
 exit $status

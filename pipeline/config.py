@@ -47,6 +47,10 @@ class ValidateConfig:
     prompt_lengths: list[int] = field(default_factory=lambda: [37, 9, 23, 50, 5])
     decode_steps: int = 40
     seed: int = 0
+    # backend=cuda: how the GPU runs the lowered graphs (pipeline/runtime/aoti.py). inductor: torch.compile
+    # with Inductor's C++ wrapper; aoti: AOTInductor packages, as the CudaBackend builds them (their loader
+    # segfaults on the lent H200, torch 2.11 / CUDA 13)
+    runtime: str = "inductor"
 
 
 @dataclass

@@ -47,6 +47,8 @@ def check_config(cfg: DictConfig):
         raise BuildError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
     if cfg.validate.metric not in ("range", "norm"):
         raise BuildError(f"validate.metric={cfg.validate.metric} is not a metric; choose range or norm")
+    if cfg.validate.runtime not in ("inductor", "aoti"):
+        raise BuildError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose inductor or aoti")
     needs_gpu = {"compile", "validate"} & {s.name for s in plan}
     if cfg.backend.name == "cuda" and needs_gpu:
         import torch

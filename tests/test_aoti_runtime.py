@@ -1,4 +1,4 @@
-"""The AOTInductor runner used for GPU validation, exercised on the CPU: the child process
+"""The Inductor runners used for GPU validation (AOTInductor packages, torch.compile), exercised on the CPU: the child process
 rebuilds the graphs from the config, refuses graphs that differ from the parent's, and its
 separately compiled methods share one set of KV stores and match the oracle."""
 
@@ -29,9 +29,10 @@ def lowered(tmp_path_factory):
     return cfg, exported["model"], compile_stage.backend_programs(lowered["lowered"], "portable"), tmp
 
 
-def test_aoti_methods_share_stores_and_match_oracle(lowered):
+@pytest.mark.parametrize("runtime", ["aoti", "inductor"])
+def test_methods_share_stores_and_match_oracle(lowered, runtime):
     cfg, model, programs, artifact = lowered
-    with MethodServer(_recipe(cfg), programs, device="cpu") as server:
+    with MethodServer(_recipe(cfg), programs, device="cpu", runtime=runtime) as server:
         session = Session(artifact, methods=server.runners)
         scripts = validate.plan(cfg.validate, session.max_seqs, model.args.vocab_size)
         stats = validate.run_episode(session, model, scripts, causal=True)

@@ -1,22 +1,28 @@
-"""Run the lowered methods through AOTInductor, sharing one set of KV stores.
+"""Run the lowered methods through Inductor on a GPU, sharing one set of KV stores.
 
 ExecuTorch's Python runtime (pybindings) carries no CUDA backend, so a GPU
 validation compiles the same lowered graphs that ExecuTorch's CudaBackend
-compiles (AOTInductor, Triton kernels included) and runs them here. Each
-method becomes its own AOTInductor package; the KV store buffers are replaced
-by one set of user-managed device tensors so that, as in the .pte, every
-method reads what the others wrote.
+compiles (Inductor, Triton kernels included) and runs them here. Each method is
+compiled on its own; the KV store buffers are replaced by one set of device
+tensors so that, as in the .pte, every method reads what the others wrote.
+
+Two runtimes (``validate.runtime``): ``aoti`` packages each method with
+AOTInductor, exactly as the CudaBackend does, and runs it with AOTInductor's
+model-container runtime; ``inductor`` compiles each method with
+``torch.compile`` and Inductor's C++ wrapper. On the lent H200 (torch 2.11,
+CUDA 13) loading any AOTInductor package segfaults, even a two-layer module,
+whether through ``aoti_load_package`` (in the compiling process or a fresh one,
+single-threaded or not) or ``AOTIModelContainerRunnerCuda``; ``torch.compile``
+with the C++ wrapper runs there, so the GPU validation uses ``inductor``.
 
 ``MethodServer`` does the compiling and running in a fresh child process, each
 call travelling as (method, inputs) over a pipe, so that nothing of ExecuTorch's
 CUDA compile in the build process is shared, and a crash there is reported as a
-validation error instead of killing the build. (On the H200, torch 2.11, the
-child still died with SIGSEGV in the AOTInductor compile of ``embed_text``, with
-neither executorch nor torchao loaded: not diagnosed yet.) The child rebuilds
-the graphs itself from a picklable recipe and must arrive at the same fingerprint (graph text, every constant's bytes) as the
-parent's: graphs that went through ``torch.export.save``/``load`` compiled to
-wrong code under AOTInductor (an out-of-bounds index on the CPU), so they do
-not travel as files.
+validation error instead of killing the build. The child rebuilds the graphs
+itself from a picklable recipe and must arrive at the same fingerprint (graph
+text, every constant's bytes) as the parent's: graphs that went through
+``torch.export.save``/``load`` compiled to wrong code under AOTInductor (an
+out-of-bounds index on the CPU), so they do not travel as files.
 """
 
 import hashlib
@@ -32,27 +38,54 @@ from torch.export import ExportedProgram
 STORE_PREFIX = "kv_store."
 
 
-def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda") -> dict:
-    """In this process: one AOTInductor package per method, the KV stores bound to shared tensors."""
+RUNTIMES = ("inductor", "aoti")
+
+
+def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "aoti") -> dict:
+    """In this process: every method compiled by Inductor, the KV stores bound to one set of shared tensors.
+
+    aoti: one AOTInductor package per method (``aoti_compile_and_package``), run by AOTInductor's
+    model-container runtime, the stores loaded as user-managed constants.
+    inductor: ``torch.compile`` of each method's unlifted module with Inductor's C++ wrapper, the
+    stores set as the modules' buffers. Same Inductor lowering and Triton kernels; used on the H200
+    (torch 2.11, CUDA 13), where loading any AOTInductor package segfaults."""
     from torch.export.passes import move_to_device_pass
 
+    if runtime not in RUNTIMES:
+        raise ValueError(f"validate.runtime={runtime} is not a runtime; choose one of {', '.join(RUNTIMES)}")
     stores: dict[str, torch.Tensor] = {}
     runners = {}
     workdir = Path(tempfile.mkdtemp(prefix="aoti-"))
     for name, ep in lowered.items():
-        print(f"  aoti compile {name}", flush=True)
+        print(f"  {runtime} compile {name}", flush=True)
         ep = move_to_device_pass(ep, device)
+        own = {fqn: t for fqn, t in ep.state_dict.items() if fqn.startswith(STORE_PREFIX)}
+        shared = {fqn: stores.setdefault(fqn, torch.zeros_like(t, device=device)) for fqn, t in own.items()}
+        if runtime == "inductor":
+            runners[name] = _caller(_inductor_module(ep, shared), device)
+            continue
         package = torch._inductor.aoti_compile_and_package(ep, package_path=str(workdir / f"{name}.pt2"))
         model = torch._inductor.aoti_load_package(package)
-        own = {fqn: t for fqn, t in ep.state_dict.items() if fqn.startswith(STORE_PREFIX)}
-        if own:
-            shared = {fqn: stores.setdefault(fqn, torch.zeros_like(t, device=device)) for fqn, t in own.items()}
+        if shared:
             missing = set(shared) - set(model.get_constant_fqns())
             if missing:
                 raise RuntimeError(f"AOTInductor package of {name} has no constant for the KV stores {sorted(missing)}")
             model.load_constants(shared, check_full_update=False, user_managed=True)
         runners[name] = _caller(model, device)
     return runners
+
+
+def _inductor_module(ep: ExportedProgram, shared: dict[str, torch.Tensor]):
+    """The unlifted module writes its buffer mutations back in place: give it the shared stores."""
+    module = ep.module()
+    for fqn, tensor in shared.items():
+        owner, _, leaf = fqn.rpartition(".")
+        buffers = module.get_submodule(owner)._buffers
+        if leaf not in buffers:
+            raise RuntimeError(f"the unlifted module has no buffer {fqn} for the KV store")
+        buffers[leaf] = tensor
+    # dynamic: one compile per method for every step width, as the exported dynamic dims allow
+    return torch.compile(module, fullgraph=True, dynamic=True, options={"cpp_wrapper": True})
 
 
 def _caller(model, device):
@@ -93,7 +126,7 @@ def fingerprint(programs: dict[str, ExportedProgram]) -> str:
     return h.hexdigest()
 
 
-def _serve(conn, recipe, expect: str, device: str) -> None:
+def _serve(conn, recipe, expect: str, device: str, runtime: str) -> None:
     """Child process: rebuild and compile, then answer (method, inputs) until told to stop (None)."""
     try:
         programs = recipe()
@@ -106,7 +139,7 @@ def _serve(conn, recipe, expect: str, device: str) -> None:
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"executorch", "torchao"})
         if loaded:
             raise MethodServerError(f"{', '.join(loaded)} got imported in the AOTInductor process; keep them out")
-        runners = compile_methods(programs, device)
+        runners = compile_methods(programs, device, runtime)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which raises)
         conn.send(("error", traceback.format_exc()))
@@ -127,10 +160,10 @@ class MethodServer:
     match ``programs``. ``runners`` maps each method name to callable(list of inputs) ->
     list of outputs, as ``Session(methods=...)`` takes them. Use as a context manager."""
 
-    def __init__(self, recipe, programs: dict[str, ExportedProgram], device: str = "cuda"):
+    def __init__(self, recipe, programs: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "aoti"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, recipe, fingerprint(programs), device),
+        self._proc = ctx.Process(target=_serve, args=(child, recipe, fingerprint(programs), device, runtime),
                                  name="aoti-methods", daemon=True)
         self._proc.start()
         child.close()

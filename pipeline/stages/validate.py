@@ -133,7 +133,7 @@ def graphs_recipe(model_cfg, kv_cfg, backend_cfg):
 
 
 @contextlib.contextmanager
-def _session(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
+def _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
     """The session the episode drives and a description of the runtime behind it."""
     if backend_cfg.name != "cuda":
         yield Session(workdir), "executorch.runtime (Python bindings), CPU"
@@ -142,11 +142,13 @@ def _session(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
     from pipeline.stages.compile import backend_programs
 
     gpu = torch.cuda.get_device_name()
-    runtime = (f"AOTInductor: the lowered graphs that ExecuTorch's CudaBackend compiles, rebuilt from the "
-               f"config in a child process (same fingerprint), compiled with "
-               f"torch._inductor.aoti_compile_and_package and run on {gpu} "
+    how = {"aoti": "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
+           "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)"}[validate_cfg.runtime]
+    runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
+               f"rebuilt from the config in a child process (same fingerprint), {how}, on {gpu} "
                f"(ExecuTorch's Python runtime has no CUDA backend)")
-    with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), backend_programs(inputs["lowered"], backend_cfg.name), device="cuda") as server:
+    with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), backend_programs(inputs["lowered"], backend_cfg.name),
+                      device="cuda", runtime=validate_cfg.runtime) as server:
         yield Session(workdir, methods=server.runners), runtime
 
 
@@ -154,7 +156,7 @@ def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Pat
     model = inputs["model"]
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
-    with _session(model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
+    with _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         print(f"  episode: {len(scripts)} sequences through {session.layout} (max_seqs={session.max_seqs})", flush=True)
         stats = run_episode(session, model, scripts, kv_cfg.causal, validate_cfg.metric)
