@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 
 try:  # ExecuTorch's Triton SDPA (imports triton + torch only)
-    from executorch.backends.cuda.triton.kernels import sdpa as et_sdpa  # type: ignore
+    # the kernels package re-exports the ops under the module's name: import the op itself
+    from executorch.backends.cuda.triton.kernels.sdpa import sdpa_decode_splitk as et_decode  # type: ignore
 except Exception:  # noqa: BLE001
-    et_sdpa = None
+    et_decode = None
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -287,7 +288,7 @@ def run_flex(w):
 
 
 def run_et(w):
-    if et_sdpa is None:
+    if et_decode is None:
         return None, "n/a"
     lens = [n for n, _, _ in w.seqs]
     lq = w.seqs[0][1]
@@ -295,7 +296,7 @@ def run_et(w):
         return None, "n/a"
     r = n_rot(w.kv_read)
     q, kvs, _, _ = _padded(w, r)
-    fns = [lambda k=k, v=v: et_sdpa.sdpa_decode_splitk(q, k, v, enable_gqa=True) for k, v in kvs]
+    fns = [lambda k=k, v=v: et_decode(q, k, v, enable_gqa=True) for k, v in kvs]
     return time_fn(fns)[0], ""
 
 
@@ -403,9 +404,10 @@ def build_cases(quick):
 FLEX_CASES = {"32/8 D128 decode uniform B=16 L=8192", "32/8 D128 prefill chunk=2048 hist=0"}
 
 
-SWEEP_DEC = [dict(DEC_BLOCK_N=bn, DEC_WARPS=w, DEC_STAGES=st, TARGET_CTAS=t)
-             for bn, w, st, t in [(32, 4, 4, 528), (64, 4, 2, 528), (32, 4, 4, 1056), (32, 4, 4, 1584),
-                                  (64, 4, 2, 1056), (32, 4, 3, 1056)]]
+SWEEP_DEC = [dict(DEC_BLOCK_N=bn, DEC_WARPS=w, DEC_STAGES=st, TARGET_CTAS=t, MIN_CHUNK=mc)
+             for bn, w, st, t, mc in [(64, 4, 2, 528, 256), (32, 4, 4, 528, 256), (64, 4, 2, 792, 256),
+                                      (64, 4, 2, 1056, 256), (64, 4, 2, 1056, 512), (64, 4, 2, 1584, 512),
+                                      (64, 4, 3, 1056, 512)]]
 SWEEP_DEC.append(dict(SPLIT_LAUNCH=False, PRE_STAGES=3))
 SWEEP_PRE = [dict(PRE_BLOCK_M=bm, PRE_BLOCK_N=bn, PRE_WARPS=w, PRE_STAGES=st)
              for bm, bn, w, st in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 4)]]
@@ -414,12 +416,14 @@ SWEEP_PRE = [dict(PRE_BLOCK_M=bm, PRE_BLOCK_N=bn, PRE_WARPS=w, PRE_STAGES=st)
 def sweep():
     hq, hkv, d = HEADS[0]
     base = {n: getattr(K, n) for n in ("DEC_BLOCK_N", "DEC_WARPS", "DEC_STAGES", "PRE_BLOCK_M", "PRE_BLOCK_N",
-                                        "PRE_WARPS", "PRE_STAGES", "TARGET_CTAS", "SPLIT_LAUNCH")}
+                                        "PRE_WARPS", "PRE_STAGES", "TARGET_CTAS", "MIN_CHUNK", "SPLIT_LAUNCH")}
     lens = lognormal_lengths(256, 2048, 4 * 2048)
+    lens16 = lognormal_lengths(16, 8192, 4 * 8192)
     dec_cases = [Work("decode B=1 L=128k", hq, hkv, d, [(131072, 1, 0)], True),
                  Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
                  Work("decode B=256 L=2k", hq, hkv, d, [(2048, 1, 0)] * 256, True),
                  Work("skewed B=256 L~2k", hq, hkv, d, [(n, 1, 0) for n in lens], True, rows=max(lens)),
+                 Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16)),
                  Work("decode B=4 L=32k", hq, hkv, d, [(32768, 1, 0)] * 4, True)]
     pre_cases = [Work("draft16 B=8 L=8k", hq, hkv, d, [(8192, 16, 0)] * 8, False),
                  Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True),
@@ -563,7 +567,7 @@ def main():
           "- flex: FlexAttention (torch.compile, block mask) on the few shapes marked; 'not run' elsewhere "
           "(compile per shape does not fit the time)",
           "- et: ExecuTorch Triton SDPA (sdpa_decode_splitk, uniform decode only) "
-          + ("" if et_sdpa is not None else "— n/a: executorch not importable on this machine"),
+          + ("" if et_decode is not None else "— n/a: executorch not importable on this machine"),
           "- mixed step: sdpa = two calls (the decodes, then the chunk) in one graph",
           "- peers skipped ('mem') where their padded/repeated K/V would pass 30 GB", "",
           "| case | KV GB | ours µs | plan µs | ours TB/s | ours TFLOP/s | sdpa µs | varlen µs | flex µs | et µs | ours/sdpa |",

@@ -53,6 +53,9 @@ def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", r
 
     if runtime not in RUNTIMES:
         raise ValueError(f"validate.runtime={runtime} is not a runtime; choose one of {', '.join(RUNTIMES)}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # graphs name the device as the tensors do: cuda:0
+        device = torch.device("cuda", torch.cuda.current_device())
     stores: dict[str, torch.Tensor] = {}
     runners = {}
     workdir = Path(tempfile.mkdtemp(prefix="aoti-"))
@@ -78,6 +81,12 @@ def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", r
 def _inductor_module(ep: ExportedProgram, shared: dict[str, torch.Tensor]):
     """The unlifted module writes its buffer mutations back in place: give it the shared stores."""
     module = ep.module()
+    # export's input checks (dtype, device) compare device strings exactly, and Dynamo's fake inputs
+    # say cuda:0 where the moved graph may say cuda: the caller passes inputs of the exported kind
+    for node in list(module.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            module.graph.erase_node(node)
+    module.recompile()
     for fqn, tensor in shared.items():
         owner, _, leaf = fqn.rpartition(".")
         buffers = module.get_submodule(owner)._buffers
