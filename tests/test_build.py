@@ -134,3 +134,13 @@ def test_kv_bytes_match_planned_stores(build_dir):
         assert sum(b for b, _, _ in forward.values()) == record["kv_bytes_total"]
         per_layer = [forward[f"kv_store.k_{i}"][0] + forward[f"kv_store.v_{i}"][0] for i in range(len(record["kv_bytes_per_layer"]))]
         assert per_layer == record["kv_bytes_per_layer"]
+
+
+def test_bf16_build_records_its_weights(tmp_path):
+    """The build record hashes the weights of any dtype (numpy has no bfloat16)."""
+    from conftest import compose_config
+
+    version = build(compose_config(f"output_root={tmp_path}", "model.dtype=bfloat16", "kv.dtype=bfloat16",
+                                   "stages=[export,lower_kv]"))
+    record = json.loads((version / "build.json").read_text())
+    assert len(record["inputs"]["model_weights_sha256"]) == 64

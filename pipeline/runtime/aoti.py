@@ -131,7 +131,7 @@ def fingerprint(programs: dict[str, ExportedProgram]) -> str:
             if isinstance(t, torch.Tensor):
                 t = t.detach().cpu().contiguous()
                 h.update(f"{fqn}:{t.dtype}:{tuple(t.shape)}".encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
