@@ -35,6 +35,7 @@ class BuildError(RuntimeError):
 def check_config(cfg: DictConfig):
     """Everything that can be rejected before any file is written."""
     from pipeline.kv.layouts import build_layout
+    from pipeline.runtime.aoti import RUNTIMES
     from pipeline.stages.compile import BACKENDS
     from pipeline.stages.export import model_args
 
@@ -47,8 +48,8 @@ def check_config(cfg: DictConfig):
         raise BuildError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
     if cfg.validate.metric not in ("range", "norm"):
         raise BuildError(f"validate.metric={cfg.validate.metric} is not a metric; choose range or norm")
-    if cfg.validate.runtime not in ("inductor", "aoti"):
-        raise BuildError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose inductor or aoti")
+    if cfg.validate.runtime not in RUNTIMES:
+        raise BuildError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose {' or '.join(RUNTIMES)}")
     needs_gpu = {"compile", "validate"} & {s.name for s in plan}
     if cfg.backend.name == "cuda" and needs_gpu:
         import torch

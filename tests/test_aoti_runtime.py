@@ -1,6 +1,6 @@
-"""The Inductor runners used for GPU validation (AOTInductor packages, torch.compile), exercised on the CPU: the child process
-rebuilds the graphs from the config, refuses graphs that differ from the parent's, and its
-separately compiled methods share one set of KV stores and match the oracle."""
+"""The Inductor runners used for GPU validation (AOTInductor packages, torch.compile), exercised
+on the CPU: the child process rebuilds the graphs from the config, refuses graphs that differ from
+the parent's, and its separately compiled methods share one set of KV stores and match the oracle."""
 
 import pytest
 import torch

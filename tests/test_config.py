@@ -61,6 +61,7 @@ BAD_INPUT = [
     (["backend=cuda"], ["backend=cuda needs a CUDA GPU", "stages=[export,lower_kv]"]),
     (["backend=tpu"], ["backend=tpu", "cuda, portable, xnnpack"]),
     (["kv.dtype=int3"], ["kv.dtype=int3", "bfloat16"]),
+    (["validate.runtime=tensorrt"], ["validate.runtime=tensorrt", "inductor or aoti"]),
 ]
 
 

@@ -41,7 +41,7 @@ STORE_PREFIX = "kv_store."
 RUNTIMES = ("inductor", "aoti")
 
 
-def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "aoti") -> dict:
+def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "inductor") -> dict:
     """In this process: every method compiled by Inductor, the KV stores bound to one set of shared tensors.
 
     aoti: one AOTInductor package per method (``aoti_compile_and_package``), run by AOTInductor's
@@ -169,7 +169,7 @@ class MethodServer:
     match ``programs``. ``runners`` maps each method name to callable(list of inputs) ->
     list of outputs, as ``Session(methods=...)`` takes them. Use as a context manager."""
 
-    def __init__(self, recipe, programs: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "aoti"):
+    def __init__(self, recipe, programs: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "inductor"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, recipe, fingerprint(programs), device, runtime),
