@@ -38,7 +38,11 @@ from torch.export import ExportedProgram
 STORE_PREFIX = "kv_store."
 
 
-RUNTIMES = ("inductor", "aoti")
+# validate.runtime -> how it runs the methods (validation.json says it)
+RUNTIMES = {
+    "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)",
+    "aoti": "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
+}
 
 
 def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "inductor") -> dict:
@@ -58,7 +62,7 @@ def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", r
         device = torch.device("cuda", torch.cuda.current_device())
     stores: dict[str, torch.Tensor] = {}
     runners = {}
-    workdir = Path(tempfile.mkdtemp(prefix="aoti-"))
+    workdir = Path(tempfile.mkdtemp(prefix="aoti-")) if runtime == "aoti" else None
     for name, ep in lowered.items():
         print(f"  {runtime} compile {name}", flush=True)
         ep = move_to_device_pass(ep, device)
@@ -147,7 +151,7 @@ def _serve(conn, recipe, expect: str, device: str, runtime: str) -> None:
         # so that this process holds only torch's
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"executorch", "torchao"})
         if loaded:
-            raise MethodServerError(f"{', '.join(loaded)} got imported in the AOTInductor process; keep them out")
+            raise MethodServerError(f"{', '.join(loaded)} got imported in the method process; keep them out")
         runners = compile_methods(programs, device, runtime)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which raises)
@@ -162,7 +166,7 @@ def _serve(conn, recipe, expect: str, device: str, runtime: str) -> None:
 
 
 class MethodServer:
-    """The methods compiled and run by AOTInductor in a fresh child process.
+    """The methods compiled and run by Inductor (``compile_methods``) in a fresh child process.
 
     ``recipe`` is a picklable callable (a module-level function or a partial of one) that
     builds ``programs`` anew in the child; the child refuses to serve unless its graphs
@@ -170,6 +174,7 @@ class MethodServer:
     list of outputs, as ``Session(methods=...)`` takes them. Use as a context manager."""
 
     def __init__(self, recipe, programs: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "inductor"):
+        self._runtime = runtime
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, recipe, fingerprint(programs), device, runtime),
@@ -189,9 +194,9 @@ class MethodServer:
         except EOFError:
             self._proc.join(timeout=10)
             raise MethodServerError(
-                f"the AOTInductor method process died while {doing} (exit code {self._proc.exitcode})") from None
+                f"the {self._runtime} method process died while {doing} (exit code {self._proc.exitcode})") from None
         if status == "error":
-            raise MethodServerError(f"the AOTInductor method process failed while {doing}:\n{value}")
+            raise MethodServerError(f"the {self._runtime} method process failed while {doing}:\n{value}")
         return value
 
     def _runner(self, name: str):

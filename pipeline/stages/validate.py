@@ -138,14 +138,12 @@ def _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir
     if backend_cfg.name != "cuda":
         yield Session(workdir), "executorch.runtime (Python bindings), CPU"
         return
-    from pipeline.runtime.aoti import MethodServer
+    from pipeline.runtime.aoti import RUNTIMES, MethodServer
     from pipeline.stages.compile import backend_programs
 
     gpu = torch.cuda.get_device_name()
-    how = {"aoti": "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
-           "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)"}[validate_cfg.runtime]
     runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
-               f"rebuilt from the config in a child process (same fingerprint), {how}, on {gpu} "
+               f"rebuilt from the config in a child process (same fingerprint), {RUNTIMES[validate_cfg.runtime]}, on {gpu} "
                f"(ExecuTorch's Python runtime has no CUDA backend)")
     with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), backend_programs(inputs["lowered"], backend_cfg.name),
                       device="cuda", runtime=validate_cfg.runtime) as server:
