@@ -405,51 +405,62 @@ FLEX_CASES = {"32/8 D128 decode uniform B=16 L=8192", "32/8 D128 prefill chunk=2
 
 
 SWEEP_DEC = [dict(DEC_BLOCK_N=bn, DEC_WARPS=w, DEC_STAGES=st, TARGET_CTAS=t, MIN_CHUNK=mc)
-             for bn, w, st, t, mc in [(64, 4, 2, 528, 256), (32, 4, 4, 528, 256), (64, 4, 2, 792, 256),
-                                      (64, 4, 2, 1056, 256), (64, 4, 2, 1056, 512), (64, 4, 2, 1584, 512),
-                                      (64, 4, 3, 1056, 512)]]
-SWEEP_DEC.append(dict(SPLIT_LAUNCH=False, PRE_STAGES=3))
+             for bn, w, st, t, mc in [(64, 4, 2, 528, 256), (64, 4, 3, 528, 256), (32, 4, 4, 528, 256),
+                                      (128, 4, 2, 528, 256), (128, 8, 2, 528, 256), (64, 8, 3, 528, 256),
+                                      (64, 4, 2, 792, 256), (64, 4, 2, 1056, 512)]]
+SWEEP_DEC += [dict(MERGE_DV_SPLIT=1), dict(MERGE_DV_SPLIT=8)]
 SWEEP_PRE = [dict(PRE_BLOCK_M=bm, PRE_BLOCK_N=bn, PRE_WARPS=w, PRE_STAGES=st)
              for bm, bn, w, st in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 4)]]
+SWEEP_LAUNCH = [dict(SPLIT_LAUNCH=True), dict(SPLIT_LAUNCH=False)]
+KNOBS = ("DEC_BLOCK_N", "DEC_WARPS", "DEC_STAGES", "PRE_BLOCK_M", "PRE_BLOCK_N", "PRE_WARPS", "PRE_STAGES",
+         "TARGET_CTAS", "MIN_CHUNK", "SPLIT_LAUNCH", "MERGE_DV_SPLIT")
+
+
+def sweep_cases():
+    hq, hkv, d = HEADS[0]
+    lens = lognormal_lengths(256, 2048, 4 * 2048)
+    lens16 = lognormal_lengths(16, 8192, 4 * 8192)
+    dec = [Work("decode B=1 L=32k", hq, hkv, d, [(32768, 1, 0)], True),
+           Work("decode B=1 L=128k", hq, hkv, d, [(131072, 1, 0)], True),
+           Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
+           Work("decode B=256 L=2k", hq, hkv, d, [(2048, 1, 0)] * 256, True),
+           Work("skewed B=256 L~2k", hq, hkv, d, [(n, 1, 0) for n in lens], True, rows=max(lens)),
+           Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16)),
+           Work("decode B=4 L=32k", hq, hkv, d, [(32768, 1, 0)] * 4, True)]
+    pre = [Work("draft16 B=4 L=8k", hq, hkv, d, [(8192, 16, 0)] * 4, False),
+           Work("draft16 B=8 L=8k", hq, hkv, d, [(8192, 16, 0)] * 8, False),
+           Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True),
+           Work("prefill 8k hist 0", hq, hkv, d, [(8192, 8192, 0)], True)]
+    return dec, pre
 
 
 def sweep():
-    hq, hkv, d = HEADS[0]
-    base = {n: getattr(K, n) for n in ("DEC_BLOCK_N", "DEC_WARPS", "DEC_STAGES", "PRE_BLOCK_M", "PRE_BLOCK_N",
-                                        "PRE_WARPS", "PRE_STAGES", "TARGET_CTAS", "MIN_CHUNK", "SPLIT_LAUNCH")}
-    lens = lognormal_lengths(256, 2048, 4 * 2048)
-    lens16 = lognormal_lengths(16, 8192, 4 * 8192)
-    dec_cases = [Work("decode B=1 L=128k", hq, hkv, d, [(131072, 1, 0)], True),
-                 Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
-                 Work("decode B=256 L=2k", hq, hkv, d, [(2048, 1, 0)] * 256, True),
-                 Work("skewed B=256 L~2k", hq, hkv, d, [(n, 1, 0) for n in lens], True, rows=max(lens)),
-                 Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16)),
-                 Work("decode B=4 L=32k", hq, hkv, d, [(32768, 1, 0)] * 4, True)]
-    pre_cases = [Work("draft16 B=8 L=8k", hq, hkv, d, [(8192, 16, 0)] * 8, False),
-                 Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True),
-                 Work("prefill 8k hist 0", hq, hkv, d, [(8192, 8192, 0)], True)]
-    chosen = dict(base)
+    """Three groups in turn (decode tiles and merge; prefill tiles; one launch or two), each
+    variant timed on the group's cases on top of the choices of the groups before; the
+    variant with the lowest sum of times relative to the group's first variant wins."""
+    chosen = {n: getattr(K, n) for n in KNOBS}
+    dec_cases, pre_cases = sweep_cases()
     report = []
     cases_ref = {}
-    for variants, cases in ((SWEEP_DEC, dec_cases), (SWEEP_PRE, pre_cases)):
+    for group, variants, cases in (("decode", SWEEP_DEC, dec_cases), ("prefill", SWEEP_PRE, pre_cases),
+                                   ("launch", SWEEP_LAUNCH, dec_cases + pre_cases)):
+        base = dict(chosen)
         best, best_t = None, float("inf")
         for var in variants:
-            for n, val in base.items():
-                setattr(K, n, val)
-            for n, val in var.items():
+            for n, val in {**base, **var}.items():
                 setattr(K, n, val)
             line, tot = [], 0.0
             for w in cases:
                 try:
                     us, _ = run_ours(w)
-                    tot += us / cases_ref.setdefault(w.name, us)
+                    tot += us / cases_ref.setdefault((group, w.name), us)
                     line.append(f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF")
                 except Exception as e:  # noqa: BLE001
                     tot = float("inf")
                     line.append(f"{w.name}: err {type(e).__name__} {str(e)[:120]}")
                 torch.cuda.empty_cache()
-            log(f"sweep {var}: " + " | ".join(line))
-            report.append(f"| `{var}` | " + "; ".join(x.replace("|", "/") for x in line) + " |")
+            log(f"sweep {group} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
+            report.append(f"| {group} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
             if tot < best_t:
                 best, best_t = var, tot
         if best is not None:
@@ -458,6 +469,49 @@ def sweep():
         setattr(K, n, val)
     log(f"chosen: {chosen}")
     return chosen, report
+
+
+def profile():
+    """Per-launch GPU time of one layer's attention (eager launches under torch.profiler,
+    rotated K/V), next to the CUDA-graph time of the whole call: where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    dec_cases, pre_cases = sweep_cases()
+    lines = []
+    for w in dec_cases + pre_cases:
+        try:
+            r = n_rot(w.kv_read)
+            q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(r)
+            scale = 1 / math.sqrt(w.d)
+            geo = K._geometry_of(q, kvs[0][0], kvs[0][1], cols)
+            plan = K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
+            fns = [lambda k=k, v=v: K.attend_impl(q, k, v, q_pos, plan, cols, scale, w.causal, w.window, geo)
+                   for k, v in kvs]
+            graph_us, _ = time_fn(fns)
+            for f in fns:
+                f()
+            torch.cuda.synchronize()
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    for f in fns:
+                        f()
+                torch.cuda.synchronize()
+            kern = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA]
+            period = len(kern) // (3 * len(fns))
+            parts = []
+            for i in range(period):
+                ds = sorted(d for _, d in kern[i::period])
+                parts.append(f"{kern[i][0][:24]} {ds[len(ds) // 2]:.1f}")
+            hdr = K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)[:6].tolist()
+            line = (f"{w.name}: graph {graph_us:.1f} us = " + " + ".join(parts)
+                    + f" (+ gaps) | plan: blocks {hdr[0]} items {hdr[1]} split blocks {hdr[2]} chunk {hdr[3]}")
+        except Exception as e:  # noqa: BLE001
+            line = f"{w.name}: profile failed: {type(e).__name__}: {str(e)[:160]}"
+        log("profile " + line)
+        lines.append(line)
+        torch.cuda.empty_cache()
+    return lines
 
 
 def fmt(us):
@@ -469,6 +523,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="docs/benchmarks_gpu_sdpa.md")
     ap.add_argument("--sweep", action="store_true", help="time tile/warp/stage variants of our kernel first")
+    ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this many seconds")
     args = ap.parse_args()
@@ -491,6 +546,7 @@ def main():
     torch.cuda.empty_cache()
     log(f"read bandwidth (sum over 4 GiB bf16): {read_tbs:.2f} TB/s; bf16 matmul 8192^3: {mm_tf:.0f} TFLOP/s")
 
+    profile_report = profile() if args.profile else []
     chosen, sweep_report = None, []
     if args.sweep:
         chosen, sweep_report = sweep()
@@ -589,7 +645,10 @@ def main():
         md.append(f"| {name} | {eo:.2e} | {ep:.2e} |")
     if chosen is not None:
         md += ["", "## Tile sweep (our kernel; the fastest on the sweep cases is used above)", "",
-               f"chosen: `{chosen}`", "", "| variant | cases |", "|---|---|"] + sweep_report
+               f"chosen: `{chosen}`", "", "| variant | sum of time ratios | cases |", "|---|---:|---|"] + sweep_report
+    if profile_report:
+        md += ["", "## Profile (our kernel, per launch, median µs under torch.profiler, before the sweep)", ""]
+        md += [f"- {x}" for x in profile_report]
     if skipped:
         md += ["", f"Not run (time budget of {args.budget_s:.0f} s spent): " + ", ".join(skipped)]
     md.append("")

@@ -306,12 +306,15 @@ def test_planned_ops_match_one_call():
 
 
 @needs_kernels
-def test_merge_of_many_splits(monkeypatch):
-    """A long sequence split many times, merged a few splits per load (odd remainder included)."""
-    monkeypatch.setattr(K, "_MERGE_TILE", 2 * 2 * 16)  # 2 splits per load for G_PAD=2, DV=16
+@pytest.mark.parametrize("dv_split", [1, 2])
+def test_merge_of_many_splits(monkeypatch, dv_split):
+    """A long sequence split many times, merged a few splits per load (odd remainder included),
+    the head dim in one or two merge programs."""
+    monkeypatch.setattr(K, "_MERGE_TILE", 2 * 2 * 16)  # 2 splits per load for G_PAD=2 and 16 columns
+    monkeypatch.setattr(K, "MERGE_DV_SPLIT", dv_split)
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
-    args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4)
+    args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, dv=16 * dv_split, seed=4)
     _, _, n_split = check(args, 2, True, 0, expect_split=True, block_n=16, target_ctas=64, min_chunk=16)
     plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, block_n=16, target_ctas=64,
                                      min_chunk=16)[1]

@@ -33,7 +33,8 @@ one-token blocks and multi-token blocks, each with its own tile, warps and stage
    cores.  Unsplit blocks write the normalised output directly; split blocks
    write fp32 partials (acc, max, sum) to a scratch pool.
 3. ``_merge_kernel`` merges the partials of split blocks with a log-sum-exp, one
-   program per (split block, KV head), loading many splits at a time.
+   program per (split block, KV head, slice of the head dim), loading many splits
+   at a time.
 
 Scores, softmax and accumulation are fp32; P is cast to V's dtype for the
 second product (as in FlashAttention).  A query that sees no key gets zeros.
@@ -64,7 +65,8 @@ MIN_CHUNK = 256  # smallest split (keys); rounded up to the key tile
 _NBF = 12  # int32 fields per block in the plan
 _HDR = 16  # header words of the plan
 _CH = 1024  # vector width of the plan kernel's passes
-_MERGE_TILE = 8192  # fp32 partial elements per merge load (SPL splits x G_PAD heads x DV)
+_MERGE_TILE = 8192  # fp32 partial elements per merge load (SPL splits x G_PAD heads x DV / MERGE_DV_SPLIT)
+MERGE_DV_SPLIT = 4  # merge programs per (split block, KV head), each on DV / this columns
 _LOG2E = 1.4426950408889634
 
 
@@ -378,14 +380,16 @@ def _sdpa_varlen_fwd(
 @triton.jit
 def _merge_kernel(
     out, plan, part_o, part_ml, stride_ot, stride_oh, NB_MAX, W_MAX,
-    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr, SPL: tl.constexpr,
-    NBF: tl.constexpr, HDR: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DVB: tl.constexpr, PM: tl.constexpr,
+    SPL: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr,
 ):
-    """One program per (split block, KV head): for each token of the block, the G query
-    heads' partials of all its splits, SPL splits per load (a long sequence's block can
-    have hundreds of splits)."""
+    """One program per (split block, KV head, DVB columns of the output): for each token
+    of the block, the G query heads' partials of all its splits, SPL splits per load (a
+    long sequence's block can have hundreds of splits; one block and KV head alone would
+    leave the merge on a few SMs)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
+    hkv = tl.num_programs(1)
     n_split = tl.load(plan + 2)
     if j < n_split:
         blk = plan + HDR
@@ -398,14 +402,14 @@ def _merge_kernel(
         hg = tl.arange(0, G_PAD)
         hvalid = hg < G
         sp = tl.arange(0, SPL)
-        offs_dv = tl.arange(0, DV)
+        offs_dv = tl.program_id(2) * DVB + tl.arange(0, DVB)
         for t in range(0, ntok):
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, DV], tl.float32)
+            acc = tl.zeros([G_PAD, DVB], tl.float32)
             for s0 in range(0, ns, SPL):
                 sidx = s0 + sp
-                rows = ((pslot + sidx).to(tl.int64) * tl.num_programs(1) + h)[:, None] * PM + (t * G_PAD + hg)[None, :]
+                rows = ((pslot + sidx).to(tl.int64) * hkv + h)[:, None] * PM + (t * G_PAD + hg)[None, :]
                 ok = (sidx < ns)[:, None] & hvalid[None, :]  # [SPL, G_PAD]
                 ms = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"))
                 ls = tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0)
@@ -533,10 +537,12 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan
     else:
         wrap(_sdpa_varlen_fwd)[grid](*fwd_args, MODE=0, BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, **fwd_kw,
                                      num_warps=PRE_WARPS, num_stages=geo.pre_stages)
-    spl = min(64, 1 << (max(1, _MERGE_TILE // (geo.g_pad * dv)).bit_length() - 1))  # a power of two
-    wrap(_merge_kernel)[(geo.target_items, hkv)](
+    dv_split = max(1, min(MERGE_DV_SPLIT, dv // 16))
+    dvb = dv // dv_split
+    spl = min(64, 1 << (max(1, _MERGE_TILE // (geo.g_pad * dvb)).bit_length() - 1))  # a power of two
+    wrap(_merge_kernel)[(geo.target_items, hkv, dv_split)](
         out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.nb_max, geo.w_max,
-        G=geo.g, G_PAD=geo.g_pad, DV=dv, PM=geo.block_m, SPL=spl, NBF=_NBF, HDR=_HDR, num_warps=4,
+        G=geo.g, G_PAD=geo.g_pad, DV=dv, DVB=dvb, PM=geo.block_m, SPL=spl, NBF=_NBF, HDR=_HDR, num_warps=4,
     )
     return out
 
