@@ -5,7 +5,7 @@
 # Needs the carried wheels in .whl/ (executorch 1.5.1, hydra-core, omegaconf, antlr4, ...): README "GPU".
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda_build_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # SKIP_WHEELS=1: already on PYTHONPATH
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi

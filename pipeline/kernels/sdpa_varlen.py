@@ -65,7 +65,7 @@ MIN_CHUNK = 256  # smallest split (keys); rounded up to the key tile
 _NBF = 12  # int32 fields per block in the plan
 _HDR = 16  # header words of the plan
 _CH = 1024  # vector width of the plan kernel's passes
-_MERGE_TILE = 8192  # fp32 partial elements per merge load (SPL splits x G_PAD heads x DV / MERGE_DV_SPLIT)
+_MERGE_TILE = 8192  # fp32 partial elements per merge load (splits x rows x DV / MERGE_DV_SPLIT)
 MERGE_DV_SPLIT = 4  # merge programs per (split block, KV head), each on DV / this columns
 _LOG2E = 1.4426950408889634
 
@@ -378,18 +378,54 @@ def _sdpa_varlen_fwd(
 
 # ------------------------------------------------------------------------- merge
 @triton.jit
+def _merge_rows(
+    out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, ns, pslot, offs_dv,
+    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DVB: tl.constexpr, PM: tl.constexpr,
+    R: tl.constexpr, SPL: tl.constexpr,
+):
+    """Log-sum-exp merge of the ns partials of one block for one KV head: R rows
+    (token * G_PAD + head, as in the attention tile) at once, SPL splits per load."""
+    r = tl.arange(0, R)
+    tok_in = r // G_PAD
+    hg = r % G_PAD
+    rvalid = (tok_in < ntok) & (hg < G)
+    sp = tl.arange(0, SPL)
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, DVB], tl.float32)
+    for s0 in range(0, ns, SPL):
+        sidx = s0 + sp
+        rows = ((pslot + sidx).to(tl.int64) * hkv + h)[:, None] * PM + r[None, :]
+        ok = (sidx < ns)[:, None] & rvalid[None, :]  # [SPL, R]
+        ms = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"))
+        ls = tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0)
+        os_ = tl.load(part_o + rows[:, :, None] * DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(ms, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.math.exp2(m_i - m_use)
+        c = tl.math.exp2(ms - m_use[None, :])  # masked splits: exp2(-inf) = 0
+        acc = acc * a[:, None] + tl.sum(os_ * c[:, :, None], 0)
+        l_i = l_i * a + tl.sum(ls * c, 0)
+        m_i = m_new
+    inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+    o = acc * inv[:, None]
+    op = (out + (tok0 + tok_in).to(tl.int64)[:, None] * stride_ot + (h * G + hg)[:, None] * stride_oh
+          + offs_dv[None, :])
+    tl.store(op, o.to(out.dtype.element_ty), mask=rvalid[:, None])
+
+
+@triton.jit
 def _merge_kernel(
     out, plan, part_o, part_ml, stride_ot, stride_oh, NB_MAX, W_MAX,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DVB: tl.constexpr, PM: tl.constexpr,
-    SPL: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr,
+    SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr,
 ):
-    """One program per (split block, KV head, DVB columns of the output): for each token
-    of the block, the G query heads' partials of all its splits, SPL splits per load (a
-    long sequence's block can have hundreds of splits; one block and KV head alone would
-    leave the merge on a few SMs)."""
+    """One program per (split block, KV head, DVB columns of the output): all the block's
+    rows at once (a one-token block: G_PAD rows, many splits per load; a longer block:
+    its tile's PM rows, fewer splits per load).  A few long sequences' merges would sit
+    on a few SMs without the head-dim slices."""
     j = tl.program_id(0)
     h = tl.program_id(1)
-    hkv = tl.num_programs(1)
     n_split = tl.load(plan + 2)
     if j < n_split:
         blk = plan + HDR
@@ -399,32 +435,13 @@ def _merge_kernel(
         ntok = tl.load(bp + 1)
         ns = tl.load(bp + 8)
         pslot = tl.load(bp + 10)
-        hg = tl.arange(0, G_PAD)
-        hvalid = hg < G
-        sp = tl.arange(0, SPL)
         offs_dv = tl.program_id(2) * DVB + tl.arange(0, DVB)
-        for t in range(0, ntok):
-            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, DVB], tl.float32)
-            for s0 in range(0, ns, SPL):
-                sidx = s0 + sp
-                rows = ((pslot + sidx).to(tl.int64) * hkv + h)[:, None] * PM + (t * G_PAD + hg)[None, :]
-                ok = (sidx < ns)[:, None] & hvalid[None, :]  # [SPL, G_PAD]
-                ms = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"))
-                ls = tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0)
-                os_ = tl.load(part_o + rows[:, :, None] * DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0)
-                m_new = tl.maximum(m_i, tl.max(ms, 0))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                a = tl.math.exp2(m_i - m_use)
-                c = tl.math.exp2(ms - m_use[None, :])  # masked splits: exp2(-inf) = 0
-                acc = acc * a[:, None] + tl.sum(os_ * c[:, :, None], 0)
-                l_i = l_i * a + tl.sum(ls * c, 0)
-                m_i = m_new
-            inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
-            o = acc * inv[:, None]
-            op = out + (tok0 + t).to(tl.int64) * stride_ot + (h * G + hg)[:, None] * stride_oh + offs_dv[None, :]
-            tl.store(op, o.to(out.dtype.element_ty), mask=hvalid[:, None])
+        if ntok == 1:
+            _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, tl.num_programs(1), tok0, ntok, ns, pslot,
+                        offs_dv, G, G_PAD, DV, DVB, PM, G_PAD, SPL_DEC)
+        else:
+            _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, tl.num_programs(1), tok0, ntok, ns, pslot,
+                        offs_dv, G, G_PAD, DV, DVB, PM, PM, SPL_PRE)
 
 
 # ------------------------------------------------------------------------ launch
@@ -539,10 +556,12 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan
                                      num_warps=PRE_WARPS, num_stages=geo.pre_stages)
     dv_split = max(1, min(MERGE_DV_SPLIT, dv // 16))
     dvb = dv // dv_split
-    spl = min(64, 1 << (max(1, _MERGE_TILE // (geo.g_pad * dvb)).bit_length() - 1))  # a power of two
+    def spl(rows):  # splits per merge load: a power of two
+        return min(64, 1 << (max(1, _MERGE_TILE // (rows * dvb)).bit_length() - 1))
     wrap(_merge_kernel)[(geo.target_items, hkv, dv_split)](
         out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.nb_max, geo.w_max,
-        G=geo.g, G_PAD=geo.g_pad, DV=dv, DVB=dvb, PM=geo.block_m, SPL=spl, NBF=_NBF, HDR=_HDR, num_warps=4,
+        G=geo.g, G_PAD=geo.g_pad, DV=dv, DVB=dvb, PM=geo.block_m, SPL_DEC=spl(geo.g_pad), SPL_PRE=spl(geo.block_m),
+        NBF=_NBF, HDR=_HDR, num_warps=4,
     )
     return out
 
