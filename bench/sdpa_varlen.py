@@ -294,6 +294,9 @@ def run_et(w):
     lq = w.seqs[0][1]
     if len(set(lens)) != 1 or lq != 1:
         return None, "n/a"
+    if w.B * lens[0] * w.hkv * w.d > 2 ** 31:
+        # its int32 offsets overflow: an illegal address on the H200 at B=64 L=128k (2^33 elements)
+        return None, "n/a: > 2^31 elements"
     r = n_rot(w.kv_read)
     q, kvs, _, _ = _padded(w, r)
     fns = [lambda k=k, v=v: et_decode(q, k, v, enable_gqa=True) for k, v in kvs]
@@ -614,7 +617,7 @@ def main():
           "(≥ 150 MB per replay) so reads come from HBM, not L2",
           "- TB/s = (bytes of K/V actually read + Q + O) / our time; TFLOP/s = 4·D·Hq·(visible query-key pairs) / our time",
           "- ours: K/V in the column store [rows·columns, Hkv, D], seq_info describing the runs. 'ours µs' is "
-          "one layer's attention + merge (3 launches) along a plan computed beforehand: a lowered model plans once "
+          "one layer's attention + merge (2 launches; 3 with SPLIT_LAUNCH) along a plan computed beforehand: a lowered model plans once "
           "per step and layer kind (`kvcache::sdpa_varlen_plan`) and every layer of that kind reuses it; "
           "'plan µs' is that plan alone (one launch), to be spread over the layers of a kind",
           "- sdpa: F.scaled_dot_product_attention on padded contiguous [B,H,L,D] (enable_gqa; key-padding mask "

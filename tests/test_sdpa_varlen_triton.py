@@ -173,7 +173,10 @@ MIXED = [
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [0, 6])
-def test_mixed_step(hq, hkv, causal, window):
+@pytest.mark.parametrize("split_launch", [False, True])
+def test_mixed_step(hq, hkv, causal, window, split_launch, monkeypatch):
+    """Decode, draft and prefill blocks in one step, through one attention launch or two."""
+    monkeypatch.setattr(K, "SPLIT_LAUNCH", split_launch)
     args = make_step(MIXED, columns=5, rows=48, hq=hq, hkv=hkv, d=16, seed=hq * 10 + window + causal)
     out, r64, n_split = check(args, 5, causal, window, expect_split=True if window == 0 else None, **SMALL)
     t_nothing = [i for i, c in enumerate(args[4].tolist()) if c == 1]

@@ -9,8 +9,9 @@ and AOTInductor, ExecuTorch's CUDA backend) in two forms:
   step buffers and the bounds, so a lowered model computes it once per step and
   layer kind, and each layer only attends.
 
-The kernels, with no host synchronisation (the attention kernel launched twice:
-one-token blocks and multi-token blocks, each with its own tile, warps and stages):
+The kernels, with no host synchronisation (the attention kernel launched once for all
+blocks; ``SPLIT_LAUNCH`` launches it twice, one-token and multi-token blocks apart,
+each with its own warps and stages):
 
 1. ``_plan_kernel`` (one program) splits the query tokens into *blocks* (at most
    ``TOKB`` consecutive tokens of one column with consecutive positions; a new
@@ -58,7 +59,8 @@ PRE_BLOCK_M = 64  # rows (tokens x heads) of a multi-token (prefill / draft) til
 PRE_BLOCK_N = 64
 PRE_WARPS = 4
 PRE_STAGES = 3
-SPLIT_LAUNCH = True  # decode and multi-token blocks in two launches (own warps / stages)
+SPLIT_LAUNCH = False  # True: decode and multi-token blocks in two launches (own warps / stages);
+# one launch won 9 of 11 sweep cases on the H200 (docs/benchmarks.md), by up to 10% (skewed decode)
 TARGET_CTAS = 528  # ~4 programs per SM of an H200 (132 SMs); splits aim at this many
 MIN_CHUNK = 256  # smallest split (keys); rounded up to the key tile
 
@@ -522,7 +524,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
 
 def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan: Tensor, columns: int,
                 scale: float, causal: bool, window: int, geo: Geometry, launch=None) -> Tensor:
-    """Attention of one layer along a plan from ``plan_impl`` (2 attention launches + the merge)."""
+    """Attention of one layer along a plan from ``plan_impl`` (1 or 2 attention launches + the merge)."""
     wrap = launch if launch is not None else (lambda fn: fn)
     n_tok, hq, d = q.shape
     hkv, dv = k_store.shape[1], v_store.shape[-1]
