@@ -68,7 +68,7 @@ _NBF = 12  # int32 fields per block in the plan
 _HDR = 16  # header words of the plan
 _CH = 1024  # vector width of the plan kernel's passes
 _MERGE_TILE = 8192  # fp32 partial elements per merge load (splits x rows x DV / MERGE_DV_SPLIT)
-MERGE_DV_SPLIT = 4  # merge programs per (split block, KV head), each on DV / this columns
+MERGE_DV_SPLIT = 4  # merge programs per (split block, KV head), each on DV / this columns (a power of two)
 _LOG2E = 1.4426950408889634
 
 
@@ -556,10 +556,12 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan
     else:
         wrap(_sdpa_varlen_fwd)[grid](*fwd_args, MODE=0, BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, **fwd_kw,
                                      num_warps=PRE_WARPS, num_stages=geo.pre_stages)
-    dv_split = max(1, min(MERGE_DV_SPLIT, dv // 16))
+    dv_split = max(1, min(MERGE_DV_SPLIT, dv // 16))  # powers of two: slices of >= 16 columns
     dvb = dv // dv_split
+
     def spl(rows):  # splits per merge load: a power of two
         return min(64, 1 << (max(1, _MERGE_TILE // (rows * dvb)).bit_length() - 1))
+
     wrap(_merge_kernel)[(geo.target_items, hkv, dv_split)](
         out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.nb_max, geo.w_max,
         G=geo.g, G_PAD=geo.g_pad, DV=dv, DVB=dvb, PM=geo.block_m, SPL_DEC=spl(geo.g_pad), SPL_PRE=spl(geo.block_m),
