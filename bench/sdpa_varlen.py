@@ -152,19 +152,28 @@ class Work:
         return q, kvs, torch.tensor(q_pos, device=DEV), torch.tensor(q_cols, device=DEV), seq_info, cols
 
 
+def ours_calls(w):
+    """Our kernel on w: one layer's attention calls (one per rotated K/V copy) along a plan
+    computed once, the plan call itself, and that plan."""
+    q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(n_rot(w.kv_read))
+    scale = 1 / math.sqrt(w.d)
+    geo = K._geometry_of(q, kvs[0][0], kvs[0][1], cols)
+
+    def plan_call():
+        return K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
+
+    plan = plan_call()
+    fns = [lambda k=k, v=v: K.attend_impl(q, k, v, q_pos, plan, cols, scale, w.causal, w.window, geo)
+           for k, v in kvs]
+    return fns, plan_call, plan
+
+
 def run_ours(w):
     """(µs per layer: attention + merge along a plan computed once, µs of the plan alone).
     A lowered model plans once per step and layer kind; every layer of the kind reuses it."""
-    r = n_rot(w.kv_read)
-    q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(r)
-    scale = 1 / math.sqrt(w.d)
-    geo = K._geometry_of(q, kvs[0][0], kvs[0][1], cols)
-    plan = K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
-    fns = [lambda k=k, v=v: K.attend_impl(q, k, v, q_pos, plan, cols, scale, w.causal, w.window, geo)
-           for k, v in kvs]
+    fns, plan_call, _ = ours_calls(w)
     layer_us, _ = time_fn(fns)
-    plan_us, _ = time_fn([lambda: K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)])
-    del kvs
+    plan_us, _ = time_fn([plan_call])
     return layer_us, plan_us
 
 
@@ -483,13 +492,7 @@ def profile():
     lines = []
     for w in dec_cases + pre_cases:
         try:
-            r = n_rot(w.kv_read)
-            q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(r)
-            scale = 1 / math.sqrt(w.d)
-            geo = K._geometry_of(q, kvs[0][0], kvs[0][1], cols)
-            plan = K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
-            fns = [lambda k=k, v=v: K.attend_impl(q, k, v, q_pos, plan, cols, scale, w.causal, w.window, geo)
-                   for k, v in kvs]
+            fns, _, plan = ours_calls(w)
             graph_us, _ = time_fn(fns)
             for f in fns:
                 f()
@@ -506,7 +509,7 @@ def profile():
             for i in range(period):
                 ds = sorted(d for _, d in kern[i::period])
                 parts.append(f"{kern[i][0][:24]} {ds[len(ds) // 2]:.1f}")
-            hdr = K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)[:6].tolist()
+            hdr = plan[:6].tolist()
             line = (f"{w.name}: graph {graph_us:.1f} us = " + " + ".join(parts)
                     + f" (+ gaps) | plan: blocks {hdr[0]} items {hdr[1]} split blocks {hdr[2]} chunk {hdr[3]}")
         except Exception as e:  # noqa: BLE001
