@@ -562,8 +562,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, plan
     def spl(rows):  # splits per merge load: a power of two
         return min(64, 1 << (max(1, _MERGE_TILE // (rows * dvb)).bit_length() - 1))
 
-    # split blocks are at most the blocks and at most the target: no empty programs at small batch
-    wrap(_merge_kernel)[(_sym_min(geo.target_items, geo.nb_max), hkv, dv_split)](
+    wrap(_merge_kernel)[(geo.target_items, hkv, dv_split)](
         out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.nb_max, geo.w_max,
         G=geo.g, G_PAD=geo.g_pad, DV=dv, DVB=dvb, PM=geo.block_m, SPL_DEC=spl(geo.g_pad), SPL_PRE=spl(geo.block_m),
         NBF=_NBF, HDR=_HDR, num_warps=4,
