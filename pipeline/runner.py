@@ -194,12 +194,12 @@ def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cf
 def _input_hashes(artifacts: dict) -> dict:
     if "model" not in artifacts:
         return {}
-    import torch
+    from pipeline.runtime.aoti import tensor_bytes
 
     digest = hashlib.sha256()
     for name, tensor in sorted(artifacts["model"].state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype (bf16)
+        digest.update(tensor_bytes(tensor))
     return {"model_weights_sha256": digest.hexdigest()}
 
 

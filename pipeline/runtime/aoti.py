@@ -125,6 +125,12 @@ def _graph_text(ep: ExportedProgram) -> str:
     return "\n".join(lines)
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's elements as raw bytes, for hashing: any dtype (numpy has no bfloat16), any device."""
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
 def fingerprint(programs: dict[str, ExportedProgram]) -> str:
     """Hash of every method's graph and of its constants' names, dtypes, shapes and bytes."""
     h = hashlib.sha256()
@@ -133,9 +139,8 @@ def fingerprint(programs: dict[str, ExportedProgram]) -> str:
         h.update(f"{name}\n{_graph_text(ep)}\n".encode())
         for fqn, t in sorted({**ep.state_dict, **ep.constants}.items()):
             if isinstance(t, torch.Tensor):
-                t = t.detach().cpu().contiguous()
                 h.update(f"{fqn}:{t.dtype}:{tuple(t.shape)}".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                h.update(tensor_bytes(t))
     return h.hexdigest()
 
 
