@@ -1,21 +1,20 @@
-"""python -m pipeline [group=option ...] [key=value ...]: build the configured artifact."""
+"""python -m pipeline [group=option ...] [key=value ...]: build the configured artifact (--help)."""
 
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.cli import check_group_overrides, run_build
+from pipeline import cli
 from pipeline.config import register
 
 register()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    run_build(cfg)
+def build(cfg: DictConfig) -> None:
+    cli.run_build(cfg)
 
 
 if __name__ == "__main__":
-    check_group_overrides(sys.argv[1:])
-    main()
+    cli.main(build, sys.argv[1:])

@@ -1,12 +1,20 @@
-"""Command-line glue: one-line errors for bad input, a non-zero exit, no traceback."""
+"""Command-line glue: bad input refused in one line (``error: ...``, exit 2) before anything heavy
+is imported or written; the multirun job's experiment directory."""
 
+import os
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pipeline.errors import BuildError, ConfigError
+
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "draft", "vision", "kv", "backend", "experiment")
+NULLABLE_GROUPS = ("experiment",)
+# Hydra's flags that take a value (the value is not an override)
+VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+               "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
 
 
 def fail(message: str) -> None:
@@ -14,33 +22,105 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def check_group_overrides(argv: list[str]) -> None:
-    """Reject `kv=foo` in one line before Hydra composes (its own message spans several)."""
+def overrides_of(argv: list[str]) -> list[str]:
+    """The ``key=value`` overrides of a command line, without Hydra's flags and their values."""
+    out, skip = [], False
     for arg in argv:
-        name, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or name not in GROUPS or value in ("null", ""):
+        if skip:
+            skip = False
+        elif arg.startswith("-") and not arg.startswith(("~", "+")):
+            skip = arg in VALUE_FLAGS and arg not in ("--info", "-i")
+        else:
+            out.append(arg)
+    return out
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Every override against the schema and the group options, each value of a sweep included;
+    Hydra's own messages span several lines and come after composing."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from pipeline.config import check_setting
+
+    parser = OverridesParser.create()
+    for arg in overrides_of(argv):
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException as err:
+            raise ConfigError(f"{arg} is not an override Hydra can parse: {_first_line(err)}") from None
+        key = override.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
-        options = sorted(p.stem for p in (CONF / name).glob("*.yaml"))
-        for choice in value.split(","):  # a multirun sweep lists several
-            if choice not in options:
-                fail(f"{name}={choice} is not an option of the '{name}' group; choose one of: {', '.join(options)}")
+        try:
+            values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        except HydraException:  # a sweep Hydra expands itself (glob over group options)
+            continue
+        if key in GROUPS:
+            options = sorted(p.stem for p in (CONF / key).glob("*.yaml"))
+            for choice in values:
+                if override.is_delete() or (choice is None and key in NULLABLE_GROUPS):
+                    continue
+                if choice not in options:
+                    raise ConfigError(f"{key}={choice} is not an option of the '{key}' group; choose one of: {', '.join(options)}")
+        elif override.is_delete():
+            raise ConfigError(f"{arg}: a setting cannot be deleted; give it a value instead")
+        else:
+            for value in values:
+                check_setting(key, value)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def one_line(err: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line errors as one line: the message and its cause."""
+    message = _first_line(err)
+    cause = err.__cause__
+    if cause is not None and _first_line(cause) not in message:
+        message += f": {_first_line(cause)}"
+    return message
+
+
+def main(hydra_main, argv: list[str]) -> None:
+    """Run the Hydra entry point ``hydra_main`` with every error a user can fix as one line."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        check_overrides(argv)
+    except ConfigError as err:
+        fail(str(err))
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises, the lines below format
+    try:
+        hydra_main()
+    except (ConfigError, BuildError) as err:
+        fail(str(err))
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(one_line(err))
 
 
 def run_build(cfg: DictConfig) -> None:
+    """The task of one job: in a multirun each job builds into its own experiment directory,
+    ``<output_root>/<experiment_name>/<its overrides>/`` (Hydra's override_dirname)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    from pipeline.kv.layouts import KVConfigError
-    from pipeline.runner import BuildError, build
-    from pipeline.stages import StageOrderError
+    from pipeline.runner import build
 
     hydra_cfg = HydraConfig.get()
+    exp_dir = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        exp_dir = Path(cfg.output_root) / cfg.experiment_name
+        if name := hydra_cfg.job.override_dirname.replace("/", "_"):
+            exp_dir /= name
     try:
-        build(cfg, list(hydra_cfg.overrides.task), hydra_cfg)
-    except (KVConfigError, StageOrderError, BuildError) as err:
-        fail(str(err))
-    except Exception as err:  # a stage failed: the build is not published
-        from pipeline.stages.validate import ValidationFailed
-
-        if isinstance(err, ValidationFailed):
+        build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)
+    except (ConfigError, BuildError) as err:
+        if hydra_cfg.mode != RunMode.MULTIRUN:
             fail(str(err))
+        # a sweep goes on with its other jobs; Hydra raises the first failure at the end
+        print(f"error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): {err}", file=sys.stderr)
         raise

@@ -1,11 +1,25 @@
 """Config schemas, registered in Hydra's ConfigStore. Values live in conf/*.yaml."""
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
-from pipeline.models.transformer import ModelArgs
+from pipeline.errors import ConfigError
+
+from pipeline.models.args import ModelArgs
+
+# Closed sets of the schema's string settings, each defined once.
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("cuda", "portable", "xnnpack")
+# validate.runtime (backend=cuda) -> how the GPU runs the methods (validation.json says it)
+GPU_RUNTIMES = {
+    "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)",
+    "aoti": "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
+}
+METRICS = ("range", "norm")
 
 
 @dataclass
@@ -59,6 +73,8 @@ class BuildConfig:
     stages: list[str] = field(default_factory=lambda: ["export", "lower_kv", "compile", "validate"])
     output_root: str = "outputs"
     force: bool = False  # build a new version even when an identical one exists
+    # refuse a build whose estimated peak memory exceeds this many GB; null: this machine's memory
+    memory_budget_gb: float | None = None
     model: ModelConfig = MISSING
     draft: DraftConfig = MISSING
     vision: VisionConfig = MISSING
@@ -69,3 +85,63 @@ class BuildConfig:
 
 def register() -> None:
     ConfigStore.instance().store(name="build_schema", node=BuildConfig)
+
+
+# --- strictness: every setting is in the schema, every value has its field's type ---
+
+SCHEMA = BuildConfig
+
+
+def _fields(schema) -> dict:
+    return {f.name: f for f in dataclasses.fields(schema)}
+
+
+def _describe(schema, prefix: str) -> str:
+    names = ", ".join(_fields(schema))
+    return f"the settings of {prefix.rstrip('.')} are: {names}" if prefix else f"top-level settings are: {names}"
+
+
+def unknown_settings(cfg: DictConfig, schema=SCHEMA, prefix: str = "") -> list[str]:
+    """Messages for keys of ``cfg`` that the schema does not have (Hydra's ``+key=value`` adds them
+    to a structured config without complaint; a build refuses them)."""
+    fields = _fields(schema)
+    found = []
+    for key in cfg:
+        if key not in fields:
+            found.append(f"{prefix}{key}={OmegaConf.select(cfg, str(key), throw_on_missing=False)} is not a setting; "
+                         f"{_describe(schema, prefix)}")
+        elif dataclasses.is_dataclass(fields[key].type) and isinstance(cfg[key], DictConfig):
+            found += unknown_settings(cfg[key], fields[key].type, f"{prefix}{key}.")
+    return found
+
+
+def _expected(field_type) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string"}
+    plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+    if typing.get_origin(field_type) in (list, tuple):
+        item = typing.get_args(field_type)[0]
+        return f"a list of {plural.get(item, 'values')}, e.g. [1,2]"
+    args = typing.get_args(field_type)
+    if type(None) in args:  # Optional
+        return " or ".join([_expected(a) for a in args if a is not type(None)] + ["null"])
+    return names.get(field_type, getattr(field_type, "__name__", str(field_type)))
+
+
+def check_setting(key: str, value: object) -> None:
+    """``key=value`` from the command line against the schema: the key exists, the value converts."""
+    parts = key.split(".")
+    schema = SCHEMA
+    for depth, part in enumerate(parts):
+        fields = _fields(schema)
+        prefix = ".".join(parts[:depth])
+        if part not in fields:
+            raise ConfigError(f"{key}={value} is not a setting; {_describe(schema, prefix + '.' if prefix else '')}")
+        if depth < len(parts) - 1:
+            if not dataclasses.is_dataclass(fields[part].type):
+                raise ConfigError(f"{key}={value}: {'.'.join(parts[:depth + 1])} is a value, it has no setting {parts[depth + 1]}")
+            schema = fields[part].type
+    node = OmegaConf.structured(schema)
+    try:
+        node[parts[-1]] = value
+    except ValidationError:
+        raise ConfigError(f"{key}={value} is not {_expected(_fields(schema)[parts[-1]].type)}") from None

@@ -8,6 +8,7 @@ failed one is kept under ``.failed/`` to inspect). An existing version built
 from the same config, sources and tools is reused instead of rebuilt.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -20,47 +21,51 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.errors import BuildError, ConfigError
 from pipeline.stages import check_order
 
 SRC = Path(__file__).resolve().parent
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-class BuildError(RuntimeError):
-    pass
-
-
-def check_config(cfg: DictConfig):
-    """Everything that can be rejected before any file is written."""
+def check_config(cfg: DictConfig) -> list:
+    """Everything that can be rejected before any file is written, from the config alone (no torch
+    unless backend=cuda asks whether there is a GPU): the stage order, unknown settings, closed sets,
+    the model's shapes, the KV layout, the validation episode against it and the build's memory."""
+    from pipeline.config import BACKENDS, DTYPES, GPU_RUNTIMES, METRICS, unknown_settings
+    from pipeline.feasibility import check_episode, check_memory, check_model
     from pipeline.kv.layouts import build_layout
-    from pipeline.runtime.aoti import RUNTIMES
-    from pipeline.stages.compile import BACKENDS
-    from pipeline.stages.export import model_args
+    from pipeline.models.args import model_args
 
+    if unknown := unknown_settings(cfg):
+        raise ConfigError(unknown[0])
     plan = check_order(list(cfg.stages))
-    for setting, value in (("model.dtype", cfg.model.dtype), ("kv.dtype", cfg.kv.dtype)):
-        if value not in DTYPES:
-            raise BuildError(f"{setting}={value} is not a supported dtype; choose one of {', '.join(DTYPES)}")
-    build_layout(cfg.kv, model_args(cfg.model))
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={cfg.model.dtype} is not a supported dtype; choose one of {', '.join(DTYPES)}")
     if cfg.backend.name not in BACKENDS:
-        raise BuildError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
-    if cfg.validate.metric not in ("range", "norm"):
-        raise BuildError(f"validate.metric={cfg.validate.metric} is not a metric; choose range or norm")
-    if cfg.validate.runtime not in RUNTIMES:
-        raise BuildError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose {' or '.join(RUNTIMES)}")
+        raise ConfigError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
+    if cfg.validate.metric not in METRICS:
+        raise ConfigError(f"validate.metric={cfg.validate.metric} is not a metric; choose {' or '.join(METRICS)}")
+    if cfg.validate.runtime not in GPU_RUNTIMES:
+        raise ConfigError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose {' or '.join(GPU_RUNTIMES)}")
+    for group in ("draft", "vision"):
+        if cfg[group].name != "none":
+            raise ConfigError(f"{group}={cfg[group].name} is not supported yet; use {group}=none")
+    if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
+        raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
+    args = model_args(cfg.model)
+    check_model(args)
+    layout = build_layout(cfg.kv, args)
+    if "validate" in {s.name for s in plan}:
+        check_episode(cfg.validate, layout)
+    check_memory(layout, args, cfg.model.dtype, cfg.memory_budget_gb)
     needs_gpu = {"compile", "validate"} & {s.name for s in plan}
     if cfg.backend.name == "cuda" and needs_gpu:
         import torch
 
         if not torch.cuda.is_available():
-            raise BuildError(
+            raise ConfigError(
                 f"backend=cuda needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() is False); "
                 "build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
-    for group in ("draft", "vision"):
-        if cfg[group].name != "none":
-            raise BuildError(f"{group}={cfg[group].name} is not supported yet; use {group}=none")
     return plan
 
 
@@ -131,28 +136,88 @@ def _publish(work: Path, exp_dir: Path) -> Path:
             raise
 
 
-def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictConfig | None = None) -> Path:
+def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictConfig | None = None,
+          exp_dir: Path | None = None) -> Path:
+    """Check ``cfg``, run its stages and publish the next version of ``exp_dir`` (default
+    ``<output_root>/<experiment_name>``); an identical existing version is reused."""
     plan = check_config(cfg)
-    exp_dir = Path(cfg.output_root) / cfg.experiment_name
+    exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
     key = build_key(cfg)
+    if exp_dir.is_dir():
+        remove_debris(exp_dir)
     if not cfg.force and (existing := _existing(exp_dir, key)):
         print(f"up to date: {existing} was built from the same config, sources and tools (force=true rebuilds)")
         return existing
 
     exp_dir.mkdir(parents=True, exist_ok=True)
-    work = exp_dir / f".building-{uuid.uuid4().hex[:8]}"
-    work.mkdir()
-    try:
-        record = _run_stages(cfg, plan, work, key, overrides or [], hydra_cfg)
-    except BaseException:
-        failed = exp_dir / ".failed" / f"{time.strftime('%Y%m%d-%H%M%S')}-{work.name.removeprefix('.building-')}"
-        failed.parent.mkdir(exist_ok=True)
-        shutil.move(str(work), failed)
-        print(f"build failed; partial outputs kept for inspection in {failed} (not a version)")
-        raise
-    version = _publish(work, exp_dir)
+    with _WorkDir(exp_dir) as work:
+        try:
+            record = _run_stages(cfg, plan, work, key, overrides or [], hydra_cfg)
+        except BaseException:
+            failed = exp_dir / ".failed" / f"{time.strftime('%Y%m%d-%H%M%S')}-{work.name.removeprefix(BUILDING)}"
+            failed.parent.mkdir(exist_ok=True)
+            shutil.move(str(work), failed)
+            print(f"build failed; partial outputs kept for inspection in {failed} (not a version)")
+            raise
+        version = _publish(work, exp_dir)
     _summary(version, record)
     return version
+
+
+BUILDING = ".building-"  # a build in progress: .building-<id>/ and its lock file .building-<id>.lock
+
+
+class _WorkDir:
+    """``.building-<id>/`` for one build, owned through an exclusive lock on ``.building-<id>.lock``.
+
+    The kernel drops the lock when the process dies, however it dies (an error, SIGKILL, the
+    out-of-memory killer), so a later build can tell a live build's directory from debris. The
+    lock file appears already locked (locked under a temporary name, then renamed)."""
+
+    def __init__(self, exp_dir: Path):
+        self.id = uuid.uuid4().hex[:8]
+        self.path = exp_dir / f"{BUILDING}{self.id}"
+        self.lock_path = exp_dir / f"{BUILDING}{self.id}.lock"
+
+    def __enter__(self) -> Path:
+        pending = self.lock_path.with_name(f".pending-{self.id}.lock")
+        self._lock = open(pending, "x")
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._lock.write(json.dumps({"pid": os.getpid(), "host": platform.node(),
+                                     "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        self._lock.flush()
+        os.rename(pending, self.lock_path)
+        self.path.mkdir()
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        self.lock_path.unlink(missing_ok=True)
+        self._lock.close()
+
+
+def remove_debris(exp_dir: Path) -> list[Path]:
+    """Remove what builds that died left in ``exp_dir`` (their lock is free): say what and whose."""
+    removed = []
+    for lock_path in sorted([*exp_dir.glob(f"{BUILDING}*.lock"), *exp_dir.glob(".pending-*.lock")]):
+        with open(lock_path) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live build holds it
+            owner = lock.read().strip()
+            work = lock_path.with_suffix("")
+            if work.exists():
+                shutil.rmtree(work)
+                removed.append(work)
+                print(f"removed {work}: left by a build that died ({owner or 'owner unknown'}); not a version")
+            lock_path.unlink(missing_ok=True)
+    for work in sorted(exp_dir.glob(f"{BUILDING}*")):
+        # a live build creates its lock before its directory: a directory without one is debris
+        if work.is_dir() and not work.with_name(work.name + ".lock").exists():
+            shutil.rmtree(work)
+            removed.append(work)
+            print(f"removed {work}: left by a build that died (no lock); not a version")
+    return removed
 
 
 def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cfg) -> dict:

@@ -1,6 +1,7 @@
 """The whole default build through the runner, and the layouts' builds with their episodes."""
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ def test_program_matches_oracle_directly(build_dir):
 
     from pipeline.models.transformer import build_model
     from conftest import compose_config
-    from pipeline.stages.export import model_args
+    from pipeline.models.args import model_args
 
     version = build_dir()
     cfg = compose_config()
@@ -144,3 +145,76 @@ def test_bf16_build_records_its_weights(tmp_path):
                                    "stages=[export,lower_kv]"))
     record = json.loads((version / "build.json").read_text())
     assert len(record["inputs"]["model_weights_sha256"]) == 64
+
+
+def test_ring_only_model_past_capacity(build_dir):
+    """Ring layers only: no flat layer bounds a sequence, so the ring keeps window + step - 1 rows
+    whatever kv.capacity says, and the episode's sequences run past capacity against the oracle."""
+    version = build_dir("model.layer_pattern=R", "kv.capacity=20", "backend=portable", "experiment_name=ring")
+    kv = json.loads((version / "manifest.json").read_text())["target"]
+    assert kv["max_seq_len"] is None and {layer["rows"] for layer in kv["layers"]} == {31}
+    report = _episode(version)
+    assert report["passed"] and max(s["prompt_tokens"] + s["decoded"] for s in report["scenario"]["sequences"]) > 20
+
+
+def _pipeline(*args, cwd, **kwargs):
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": root}
+    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def test_killed_build_leaves_debris_the_next_build_removes(tmp_path):
+    """SIGKILL mid-build (as the out-of-memory killer does): no version; the rerun removes the
+    .building-* directory, says so, and publishes v0001."""
+    import signal
+    import time
+
+    args = (f"output_root={tmp_path}", "backend=portable", "model=tiny_flat", "stages=[export,lower_kv,compile]")
+    proc = _pipeline(*args, cwd=tmp_path)
+    exp = tmp_path / "default"
+    deadline = time.time() + 120
+    while not list(exp.glob(".building-*/.hydra/config.yaml")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # into export
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    debris = [p for p in exp.glob(".building-*") if p.is_dir()]
+    assert len(debris) == 1 and not list(exp.glob("v[0-9]*"))
+    rerun = _pipeline(*args, cwd=tmp_path)
+    out, err = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, err
+    assert f"removed {debris[0]}: left by a build that died" in out and "pid" in out
+    assert sorted(p.name for p in exp.iterdir()) == ["v0001"]
+
+
+def test_live_build_is_not_debris(tmp_path):
+    """A build in progress holds its lock: another build in the same directory leaves it alone."""
+    from pipeline.runner import _WorkDir, remove_debris
+
+    with _WorkDir(tmp_path) as work:
+        assert remove_debris(tmp_path) == [] and work.is_dir()
+    orphan = tmp_path / ".building-deadbeef"  # no lock at all
+    orphan.mkdir()
+    assert remove_debris(tmp_path) == [orphan] and not orphan.exists()
+
+
+def test_sweep_jobs_get_their_own_directories(tmp_path):
+    """-m: one experiment directory per job, named from its overrides; Hydra's bookkeeping under
+    output_root, nothing in the working directory."""
+    proc = _pipeline("-m", f"output_root={tmp_path / 'out'}", "backend=portable", "model=tiny_flat",
+                     "stages=[export,lower_kv]", "kv.max_seqs=1,2", cwd=tmp_path)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    jobs = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").glob("default/*/v0001"))
+    assert jobs == ["default/backend=portable,kv.max_seqs=1,model=tiny_flat,stages=[export,lower_kv]/v0001",
+                    "default/backend=portable,kv.max_seqs=2,model=tiny_flat,stages=[export,lower_kv]/v0001"]
+    for job, max_seqs in zip(jobs, (1, 2)):
+        config = (tmp_path / "out" / job / ".hydra" / "config.yaml").read_text()
+        assert f"max_seqs: {max_seqs}" in config
+    assert len(list((tmp_path / "out" / "multirun").glob("*/multirun.yaml"))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config
+from pipeline.errors import ConfigError
 
 GROUPS = ["model", "draft", "vision", "kv", "backend", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(CONF) / g).glob("*.yaml"))]
@@ -62,6 +63,25 @@ BAD_INPUT = [
     (["backend=tpu"], ["backend=tpu", "cuda, portable, xnnpack"]),
     (["kv.dtype=int3"], ["kv.dtype=int3", "bfloat16"]),
     (["validate.runtime=tensorrt"], ["validate.runtime=tensorrt", "inductor or aoti"]),
+    # issue 10: what used to build for minutes, exhaust the machine or print Hydra's pages
+    (["kv.max_seqs=1000000"], ["kv.max_seqs=1000000", "GB", "over the budget", "this machine's memory"]),
+    (["memory_budget_gb=0.01"], ["estimated", "memory_budget_gb=0.01"]),
+    (["+unknown_key=1"], ["unknown_key=1 is not a setting", "kv, backend, validate"]),
+    (["unknown_key=1"], ["unknown_key=1 is not a setting"]),
+    (["+kv.foo=1"], ["kv.foo=1 is not a setting", "max_seqs, capacity"]),
+    (["kv.max_seqs=abc"], ["kv.max_seqs=abc is not an integer"]),
+    (["kv.causal=maybe"], ["kv.causal=maybe is not a boolean"]),
+    (["validate.prompt_lengths=[a,b]"], ["validate.prompt_lengths", "list of integers"]),
+    (["-m", "kv.max_seqs=1,abc"], ["kv.max_seqs=abc is not an integer"]),
+    (["~kv.dtype"], ["~kv.dtype", "cannot be deleted"]),
+    (["kv.max_seqs=[1"], ["kv.max_seqs=[1", "parse"]),
+    (["model.dim=66"], ["model.dim=66", "model.n_heads=4"]),
+    (["model.n_kv_heads=3"], ["model.n_heads=4", "model.n_kv_heads=3"]),
+    (["model.layer_pattern=FX"], ["model.layer_pattern='FX'", "F (flat) and R (ring)"]),
+    (["model.sliding_window=0"], ["model.sliding_window=0", "ring layers"]),
+    (["kv.capacity=40"], ["kv.capacity=40", "validation episode", "at least 49"]),
+    (["kv=cell", "kv.max_seqs=32"], ["kv.capacity=512", "validation episode", "1044"]),
+    (["validate.decode_steps=0"], ["validate.decode_steps=0", "at least 1"]),
 ]
 
 
@@ -69,10 +89,33 @@ BAD_INPUT = [
 def test_bad_input_one_line_error_no_version(tmp_path, args, needles):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1, proc.stderr  # one line, nothing else
     for needle in needles:
-        assert needle in errors[0]
+        assert needle in proc.stderr
     assert list(tmp_path.iterdir()) == [], "a rejected config must not create output directories"
+
+
+def test_refused_before_heavy_imports():
+    """Config checks import neither torch nor executorch (the error path stays fast)."""
+    code = ("import sys; from pipeline.runner import check_config; from conftest import compose_config; "
+            "check_config(compose_config('kv=cell', 'kv.max_seqs=8')); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'executorch'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent).stdout
+    assert out.strip() == "[]"
+
+
+def test_schema_is_strict_in_composed_configs():
+    from pipeline.runner import check_config
+
+    with pytest.raises(ConfigError, match="experiment_nme=x is not a setting"):
+        check_config(compose_config("+experiment_nme=x"))
+
+
+def test_help_describes_the_command():
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, check=True)
+    for needle in ("Builds a deployable ExecuTorch LLM artifact", "== Stages", "lower_kv", "== Config groups",
+                   "kv: cell, sequence", "== Examples", "-m kv=sequence,cell"):
+        assert needle in proc.stdout

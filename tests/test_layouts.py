@@ -4,7 +4,7 @@ import pytest
 
 from conftest import compose_config
 from pipeline.kv.layouts import KVConfigError, build_layout, sequence_segments
-from pipeline.stages.export import model_args
+from pipeline.models.args import model_args
 
 
 def layout(*overrides):
@@ -34,6 +34,16 @@ def test_layouts_from_config():
     assert [b.name for b in cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
     # K and V, 4 layers: 2 * rows * columns * Hkv * D * 4 bytes
     assert batched.kv_bytes_per_layer() == [2 * r * 8 * 2 * 16 * 4 for r in (31, 128, 31, 128)]
+
+
+def test_ring_rows_hold_a_window_and_a_step():
+    """A step writes max_step_tokens rows while its first query still reads the window behind it."""
+    ring_only = layout("model.layer_pattern=R", "kv.capacity=20")
+    assert [x.rows for x in ring_only.layers] == [16 + 16 - 1] * 4, "not capped by a capacity nothing enforces"
+    assert ring_only.max_seq_len is None
+    bounded = layout("kv.capacity=20")  # flat layers stop every sequence at 20 tokens: the ring never wraps
+    assert [(x.kind, x.rows) for x in bounded.layers] == [("ring", 20), ("flat", 20)] * 2 and bounded.max_seq_len == 20
+    assert layout("kv.max_step_tokens=4").layers[0].rows == 16 + 4 - 1
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -1,6 +1,9 @@
 """The serving session: it reads the layout from the artifact and refuses what it cannot serve."""
 
+import re
+
 import pytest
+import torch
 
 from conftest import BATCHED, CELL
 from pipeline.runtime.session import Session, SessionError
@@ -53,3 +56,146 @@ def test_cell_pool_full(build_dir):
     s.release("a")
     s.add("b")
     s.step({"b": [1, 2]})  # released cells are free again
+
+
+# --- a refused or failed step changes nothing ---
+
+LAYOUT_BUILDS = {"sequence": (), "batched-sequence": BATCHED, "cell": CELL}
+
+
+class Oracle:
+    """The eager model with one independent reference cache per sequence."""
+
+    def __init__(self, *overrides):
+        from conftest import compose_config
+        from pipeline.models.args import model_args
+        from pipeline.models.transformer import build_model
+
+        cfg = compose_config(*overrides)
+        self.model = build_model(model_args(cfg.model), cfg.model.seed)
+        self.causal = cfg.kv.causal
+        self.caches = {}
+
+    def add(self, seq_id):
+        from pipeline.kv.op import ReferenceCache
+
+        self.caches[seq_id] = ReferenceCache(self.model.args.layer_kv(), self.causal)
+
+    def logits(self, seq_id, tokens):
+        from pipeline.kv.op import reference_cache
+
+        cache = self.caches[seq_id]
+        start = cache.length
+        with reference_cache(cache), torch.no_grad():
+            hidden = self.model.hidden(self.model.embed(torch.tensor(tokens)), torch.arange(start, start + len(tokens)))
+            return self.model.logits(hidden[-1:])[0]
+
+
+def snapshot(s: Session):
+    return ({k: (q.slot, q.length, tuple(q.cells)) for k, q in s.seqs.items()}, list(s.free_cells),
+            s.cell_pos.clone(), s.cell_owners.clone())
+
+
+def assert_same(a, b):
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+
+
+def step_and_check(s: Session, oracle: Oracle, feeds: dict):
+    got = s.step(feeds)
+    for seq_id, toks in feeds.items():
+        want = oracle.logits(seq_id, toks)
+        err = float((got[seq_id] - want).abs().max() / (want.max() - want.min()))
+        assert err < 1e-4, f"{seq_id}: relative error {err:.2e} against the oracle"
+
+
+BAD_TOKENS = [
+    ([512], "token 0 is 512, outside the vocabulary [0, 512)"),
+    ([3, -1], "token 1 is -1, outside the vocabulary"),
+    ([2.5], "token 0 is 2.5 (float), not an integer id"),
+    ([True], "token 0 is True (bool), not an integer id"),
+    (torch.tensor([1.0, 2.0]), "1-d integer tensor, got torch.float32"),
+    ("hello", "must be a list of token ids"),
+    ([], "is fed no tokens"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUT_BUILDS)
+def test_refused_step_changes_nothing(build_dir, layout):
+    """Bad tokens next to a valid sequence: a clear error naming the sequence, the state untouched,
+    and the next steps of every sequence still equal the oracle."""
+    s = Session(build_dir(*LAYOUT_BUILDS[layout]))
+    oracle = Oracle(*LAYOUT_BUILDS[layout])
+    ids = ["a", "b"] if s.max_seqs > 1 else ["a"]
+    gen = torch.Generator().manual_seed(3)
+    for seq_id in ids:
+        s.add(seq_id)
+        oracle.add(seq_id)
+    step_and_check(s, oracle, {seq_id: torch.randint(0, 512, (5,), generator=gen).tolist() for seq_id in ids})
+    bad_id = ids[-1]
+    for bad, needle in BAD_TOKENS:
+        before = snapshot(s)
+        with pytest.raises(SessionError, match=re.escape(f"sequence {bad_id!r}") + ".*" + re.escape(needle)):
+            s.step({**{seq_id: [7] for seq_id in ids[:-1]}, bad_id: bad})
+        assert_same(before, snapshot(s))
+    with pytest.raises(SessionError, match="unknown sequence 'zz'"):
+        s.step({ids[0]: [7], "zz": [1]})
+    assert_same(before, snapshot(s))
+    for token in (7, 11, 13):
+        step_and_check(s, oracle, {seq_id: [token] for seq_id in ids})
+
+
+@pytest.mark.parametrize("layout", LAYOUT_BUILDS)
+def test_program_failure_leaves_the_session_as_it_was(build_dir, layout):
+    """The program runs (and writes KV rows or cells) and then fails: the session is as before the
+    step, and what the failed step wrote is never read."""
+    s = Session(build_dir(*LAYOUT_BUILDS[layout]))
+    oracle = Oracle(*LAYOUT_BUILDS[layout])
+    ids = ["a", "b"] if s.max_seqs > 1 else ["a"]
+    for i, seq_id in enumerate(ids):
+        s.add(seq_id)
+        oracle.add(seq_id)
+    step_and_check(s, oracle, {seq_id: [5 + i, 9, 2, 40 + i] for i, seq_id in enumerate(ids)})
+    real = s.method("forward_from_embeddings")
+
+    class WritesThenFails:
+        def execute(self, args):
+            real.execute(args)  # the stores now hold this step's rows
+            raise RuntimeError("injected failure after the program ran")
+
+    s._methods["forward_from_embeddings"] = WritesThenFails()
+    before = snapshot(s)
+    with pytest.raises(SessionError, match="program failed.*injected failure.*session is unchanged"):
+        s.step({seq_id: [100, 200, 300] for seq_id in ids})
+    assert_same(before, snapshot(s))
+    s._methods["forward_from_embeddings"] = real
+    for token in (8, 21, 34):  # decodes: the failed step's last two rows (or cells) lie past every length
+        step_and_check(s, oracle, {seq_id: [token] for seq_id in ids})
+    step_and_check(s, oracle, {seq_id: [55, 89] for seq_id in ids})
+
+
+def test_add_and_release_refused_without_change(batched):
+    s = Session(batched)
+    s.add("a")
+    before = snapshot(s)
+    for bad, needle in ((lambda: s.add("a"), "already live"), (lambda: s.add(["x"]), "not hashable"),
+                        (lambda: s.release("nope"), "unknown sequence 'nope'"), (lambda: s.release(["x"]), "unknown sequence")):
+        with pytest.raises(SessionError, match=needle):
+            bad()
+        assert_same(before, snapshot(s))
+
+
+def test_decode_step_may_be_wider_than_max_step_tokens(tmp_path):
+    """With more live sequences than max_step_tokens, a decode step takes one token of each."""
+    from conftest import compose_config
+    from pipeline.runner import build
+
+    overrides = ("kv.max_seqs=6", "kv.max_step_tokens=4", "backend=portable", "model=tiny_flat")
+    version = build(compose_config(f"output_root={tmp_path}", *overrides, "stages=[export,lower_kv,compile]"))
+    s, oracle = Session(version), Oracle(*overrides)
+    for i in range(6):
+        s.add(i)
+        oracle.add(i)
+        step_and_check(s, oracle, {i: [i + 1, 2 * i + 3]})
+    step_and_check(s, oracle, {i: [i + 7] for i in range(6)})
+    with pytest.raises(SessionError, match="a step of 6 tokens exceeds the artifact's max_step_tokens=4"):
+        s.step({0: [1, 2], 1: [3, 4], 2: [5, 6]})

@@ -8,18 +8,23 @@ lowering pass, the runtime session and the manifest.
 
 Flat layers have ``rows = capacity``; ring (sliding-window) layers
 ``rows = window + max_step_tokens - 1``, so a step never overwrites a key that
-an earlier query of the same step still sees. A sequence's readable history is
-then at most two runs of rows (the wrap): ``max_segments = 2 * max_seqs``.
+an earlier query of the same step still sees (fewer, ``capacity``, when flat
+layers bound every sequence to ``capacity`` tokens: the ring never wraps). A
+sequence's readable history is then at most two runs of rows (the wrap):
+``max_segments = 2 * max_seqs``.
+
+Free of torch: the config checks derive the layout before anything heavy loads.
 """
 
 from dataclasses import dataclass
 
-import torch
+from pipeline.errors import ConfigError
 
 CELL_OWNER_BITS = 63  # owners are an int64 bitset; the sign bit stays clear
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV store dtypes
 
 
-class KVConfigError(ValueError):
+class KVConfigError(ConfigError):
     """A KV setting that cannot be built; the message names setting, value and range."""
 
 
@@ -46,8 +51,18 @@ class KVLayout:
     causal: bool
     n_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: str  # a DTYPE_BYTES key
     layers: tuple[LayerStore, ...]
+    # tokens one sequence may hold: the flat layers' context (the pool, for the cell layout);
+    # None when every layer is a ring, which keeps a window however long the sequence grows
+    max_seq_len: int | None
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
 
     @property
     def columns(self) -> int:
@@ -81,7 +96,7 @@ class KVLayout:
 
     def kv_bytes_per_layer(self) -> list[int]:
         """K and V store bytes of each layer: 2 * rows * columns * Hkv * D * itemsize."""
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = DTYPE_BYTES[self.dtype]
         return [2 * layer.rows * self.columns * self.n_kv_heads * self.head_dim * item for layer in self.layers]
 
 
@@ -107,25 +122,34 @@ def build_layout(kv_cfg, model_args) -> KVLayout:
             f"{step}-token step need {max_seqs * step} cells, kv.capacity={capacity}; "
             f"raise kv.capacity or lower kv.max_seqs to at most {capacity // step}"
         )
+    if kv_cfg.dtype not in DTYPE_BYTES:
+        raise KVConfigError(f"kv.dtype={kv_cfg.dtype} is not a KV store dtype; choose one of {', '.join(DTYPE_BYTES)}")
     window = model_args.sliding_window
     if window > capacity:
         raise KVConfigError(
             f"model.sliding_window={window} is larger than kv.capacity={capacity}; "
             f"the window must fit in the context (at most {capacity})"
         )
+    layer_kv = model_args.layer_kv()
+    max_seq_len = capacity if name == "cell" or any(layer.window == 0 for layer in layer_kv) else None
     layers = []
-    for layer in model_args.layer_kv():
+    for layer in layer_kv:
         if name == "cell":
             layers.append(LayerStore("ring" if layer.window else "flat", capacity, layer.window))
         elif layer.window:
-            layers.append(LayerStore("ring", min(capacity, layer.window + step - 1), layer.window))
+            # a step of max_step_tokens writes that many rows while its first query still reads the
+            # window behind it; a sequence that never passes capacity tokens never wraps capacity rows
+            ring_rows = layer.window + step - 1
+            if max_seq_len is not None:
+                ring_rows = min(ring_rows, max_seq_len)
+            layers.append(LayerStore("ring", ring_rows, layer.window))
         else:
             layers.append(LayerStore("flat", capacity, 0))
     layout = "cell" if name == "cell" else ("sequence" if max_seqs == 1 else "batched-sequence")
     return KVLayout(
         layout=layout, max_seqs=max_seqs, capacity=capacity, max_step_tokens=step, causal=kv_cfg.causal,
         n_kv_heads=model_args.n_kv_heads, head_dim=model_args.head_dim,
-        dtype=getattr(torch, kv_cfg.dtype), layers=tuple(layers),
+        dtype=kv_cfg.dtype, layers=tuple(layers), max_seq_len=max_seq_len,
     )
 
 

@@ -9,16 +9,18 @@ from pipeline.kv.layouts import KVLayout
 SCHEMA_VERSION = 1
 
 
-def kv_section(layout: KVLayout) -> dict:
+def kv_section(layout: KVLayout, vocab_size: int) -> dict:
     return {
         "layout": layout.layout,
+        "vocab_size": vocab_size,  # token ids a step takes: [0, vocab_size)
         "max_seqs": layout.max_seqs,
+        "max_seq_len": layout.max_seq_len,
         "max_segments": layout.max_segments,
         "causal": layout.causal,
         "columns": layout.columns,
         "capacity": layout.capacity,
         "max_step_tokens": layout.max_step_tokens,
-        "dtype": str(layout.dtype).removeprefix("torch."),
+        "dtype": layout.dtype,
         "n_kv_heads": layout.n_kv_heads,
         "head_dim": layout.head_dim,
         "layers": [
@@ -31,9 +33,10 @@ def kv_section(layout: KVLayout) -> dict:
     }
 
 
-def constant_methods(layout: KVLayout) -> dict[str, int]:
+def constant_methods(layout: KVLayout, vocab_size: int) -> dict[str, int]:
     """A sequence count marks the sequence paths; a cell artifact declares its pool instead."""
     constants = {
+        "get_vocab_size": vocab_size,
         "get_offgraph_kv_max_segments": layout.max_segments,
         "get_offgraph_kv_causal": int(layout.causal),
         "get_max_step_tokens": layout.max_step_tokens,

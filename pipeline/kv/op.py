@@ -1,29 +1,34 @@
-"""The backend-neutral KV op and the eager reference cache behind it (the oracle).
+"""The backend-neutral KV op (ExecuTorch's) and the eager reference cache behind it (the oracle).
 
-    kvcache::update_and_attend(q, k, v, position, layer_id, scale) -> out
+    kvcache::update_and_attend(q, k, v, position, layer_id, scale, out_dtype) -> out
       q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], position [T, 1] int64
-      out [B, Hq, T, Dv]
+      out [B, Hq, T, Dv] in out_dtype (the model passes q.dtype)
 
-To the tracer it is a pure function: export leaves one opaque node per
-attention layer, which ``passes/lower_offgraph_kv.py`` rewrites into an
-explicit store. Eagerly it appends K/V to the installed ``ReferenceCache`` and
-attends over that sequence's whole contiguous history, so the un-lowered model
-is the oracle: one independent cache per sequence, B = 1.
+The op is the one ExecuTorch ships (``executorch.extension.llm.cache``); this
+project registers none of its own. To the tracer it is a pure function: export
+leaves one opaque node per attention layer, which ``passes/lower_offgraph_kv.py``
+rewrites into an explicit store. Eagerly ExecuTorch's kernel asks the active
+cache of its ``REGISTRY`` for the history and a mask (``update_and_fetch``) and
+attends. ``ReferenceCache`` is that cache for one sequence: it keeps every
+token's position, so the causal, sliding-window and non-causal rules are an
+explicit mask over positions (ExecuTorch's contiguous cache ignores positions
+and has no non-causal mode). One independent cache per sequence, B = 1, is
+the oracle.
 """
 
 import contextlib
+import itertools
 import math
-from dataclasses import dataclass
 
 import torch
+from executorch.extension.llm.cache.reference_cache import AttendSpec, MaskKind
+from executorch.extension.llm.cache.update_and_attend import REGISTRY
 from torch import Tensor
 
-_active: "ReferenceCache | None" = None
+from pipeline.models.args import LayerKV
 
-
-@dataclass(frozen=True)
-class LayerKV:
-    window: int  # 0: flat (global) layer; > 0: sliding-window (ring) layer
+NEUTRAL_OP = torch.ops.kvcache.update_and_attend.default
+_keys = itertools.count()
 
 
 class ReferenceCache:
@@ -40,9 +45,10 @@ class ReferenceCache:
     def length(self) -> int:
         return 0 if self.pos[0] is None else int(self.pos[0].numel())
 
-    def update_and_attend(self, q: Tensor, k: Tensor, v: Tensor, position: Tensor, layer_id: int, scale: float) -> Tensor:
-        if q.shape[0] != 1:
-            raise ValueError(f"the reference cache holds one sequence: got batch {q.shape[0]}")
+    def update_and_fetch(self, layer_id: int, k: Tensor, v: Tensor, position: Tensor) -> tuple[Tensor, Tensor, AttendSpec]:
+        """ExecuTorch's cache protocol: append this step, return the history and who sees what."""
+        if k.shape[0] != 1:
+            raise ValueError(f"the reference cache holds one sequence: got batch {k.shape[0]}")
         pos = position.reshape(-1)
         if self.k[layer_id] is None:
             self.k[layer_id], self.v[layer_id], self.pos[layer_id] = k, v, pos
@@ -50,46 +56,27 @@ class ReferenceCache:
             self.k[layer_id] = torch.cat([self.k[layer_id], k], dim=2)
             self.v[layer_id] = torch.cat([self.v[layer_id], v], dim=2)
             self.pos[layer_id] = torch.cat([self.pos[layer_id], pos])
-        keys, values, key_pos = self.k[layer_id], self.v[layer_id], self.pos[layer_id]
-        # keys: [1, Hkv, L, D] -> repeat to Hq heads
-        group = q.shape[1] // keys.shape[1]
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
+        key_pos = self.pos[layer_id]
+        # visible: [T, L], true = attend
         visible = torch.ones(pos.numel(), key_pos.numel(), dtype=torch.bool)
         if self.causal:
             visible &= key_pos[None, :] <= pos[:, None]
         window = self.layers[layer_id].window
         if window > 0:
             visible &= pos[:, None] - key_pos[None, :] < window
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [1, Hq, T, L]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype)
+        return self.k[layer_id], self.v[layer_id], AttendSpec(kind=MaskKind.EXPLICIT, mask=visible)
 
 
 @contextlib.contextmanager
 def reference_cache(cache: ReferenceCache):
-    """Route eager calls of the neutral op to ``cache`` for the duration."""
-    global _active
-    previous, _active = _active, cache
+    """Route eager calls of the neutral op to ``cache`` (installed in ExecuTorch's registry) for the duration."""
+    key = f"pipeline-reference-{next(_keys)}"
+    REGISTRY.install(key, cache)
     try:
-        yield cache
+        with REGISTRY.active(key):
+            yield cache
     finally:
-        _active = previous
-
-
-@torch.library.custom_op("kvcache::update_and_attend", mutates_args=())
-def update_and_attend(q: Tensor, k: Tensor, v: Tensor, position: Tensor, layer_id: int, scale: float) -> Tensor:
-    if _active is None:
-        raise RuntimeError(
-            "kvcache::update_and_attend ran eagerly with no reference cache installed; "
-            "wrap the call in `with reference_cache(ReferenceCache(...)):`"
-        )
-    return _active.update_and_attend(q, k, v, position, layer_id, scale)
-
-
-@update_and_attend.register_fake
-def _(q, k, v, position, layer_id, scale):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+        REGISTRY.uninstall(key)
 
 
 def default_scale(head_dim: int) -> float:

@@ -6,36 +6,12 @@ share one token axis (B = 1); which sequence a token belongs to is not a model
 input: it reaches the KV store through step buffers added by ``lower_kv``.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.kv.op import LayerKV, default_scale
-
-
-@dataclass
-class ModelArgs:
-    vocab_size: int = 512
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    hidden_dim: int = 176
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    sliding_window: int = 0  # keys a ring layer sees, counting the query itself
-    layer_pattern: str = "F"  # repeated over layers: F = flat (global), R = ring (sliding window)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def layer_kv(self) -> list[LayerKV]:
-        kinds = (self.layer_pattern * self.n_layers)[: self.n_layers]
-        return [LayerKV(window=self.sliding_window if kind == "R" else 0) for kind in kinds]
+from pipeline.kv.op import default_scale
+from pipeline.models.args import ModelArgs
 
 
 def _f32(x: Tensor) -> Tensor:
@@ -81,7 +57,7 @@ class Attention(nn.Module):
         # q: [1, Hq, T, D]  k, v: [1, Hkv, T, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = torch.ops.kvcache.update_and_attend(
-            q, k, v, position.view(-1, 1), self.layer_id, default_scale(self.head_dim)
+            q, k, v, position.view(-1, 1), self.layer_id, default_scale(self.head_dim), q.dtype
         )
         return self.wo(out.transpose(1, 2).reshape(1, n_tok, -1))
 

@@ -1,6 +1,6 @@
 """LowerOffGraphKVPass: the neutral KV op becomes an explicit store and attention.
 
-For every ``kvcache::update_and_attend(q, k, v, position, layer, scale)``:
+For every ``kvcache::update_and_attend(q, k, v, position, layer, scale, out_dtype)`` (ExecuTorch's op):
 
     slots   = (position % rows) * columns + seq_cols        sequence layouts (solo: seq_cols = 0)
             = cell_ids                                      cell layout
@@ -23,8 +23,7 @@ from torch.export import ExportedProgram
 
 from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_varlen / sdpa_cells)
 from pipeline.kv.layouts import KVLayout
-
-NEUTRAL_OP = torch.ops.kvcache.update_and_attend.default
+from pipeline.kv.op import NEUTRAL_OP
 STORE_MODULE = "kv_store"  # stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
 
 aten = torch.ops.aten
@@ -80,7 +79,7 @@ def lower_offgraph_kv(
     slots_by_kind: dict[str, fx.Node] = {}
     plans_by_kind: dict[str, fx.Node] = {}
     for node in targets:
-        q, k, v, position, layer_id, scale = node.args
+        q, k, v, position, layer_id, scale, out_dtype = node.args
         if not isinstance(layer_id, int) or not 0 <= layer_id < len(layout.layers):
             raise LoweringError(f"{node.name}: layer_id={layer_id!r} is not a layer of the model (0..{len(layout.layers) - 1})")
         layer = layout.layers[layer_id]
@@ -94,8 +93,8 @@ def lower_offgraph_kv(
                 f"the layout stores {layout.n_kv_heads} of dim {layout.head_dim}"
             )
         shape = layout.store_shape(layer)
-        stores.register_buffer(f"k_{layer_id}", torch.zeros(shape, dtype=layout.dtype))
-        stores.register_buffer(f"v_{layer_id}", torch.zeros(shape, dtype=layout.dtype))
+        stores.register_buffer(f"k_{layer_id}", torch.zeros(shape, dtype=layout.torch_dtype))
+        stores.register_buffer(f"v_{layer_id}", torch.zeros(shape, dtype=layout.torch_dtype))
 
         with graph.inserting_before(node):
             call = graph.call_function
@@ -115,7 +114,8 @@ def lower_offgraph_kv(
                 return call(aten.permute.default, (call(aten.select.int, (x, 0, 0)), [1, 0, 2]))
 
             def to_store(x, like):
-                return x if like.meta["val"].dtype == layout.dtype else call(aten._to_copy.default, (x,), {"dtype": layout.dtype})
+                store_dtype = layout.torch_dtype
+                return x if like.meta["val"].dtype == store_dtype else call(aten._to_copy.default, (x,), {"dtype": store_dtype})
 
             k_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
             v_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
@@ -140,6 +140,8 @@ def lower_offgraph_kv(
                         q_tok, k_store, v_store, pos, plans_by_kind[layer.kind], layout.columns, scale,
                         layout.causal, layer.window))
             out = call(aten.unsqueeze.default, (call(aten.permute.default, (out, [1, 0, 2])), 0))  # [1, Hq, T, Dv]
+            if out_dtype != q.meta["val"].dtype:  # the attention ops return q's dtype
+                out = call(aten._to_copy.default, (out,), {"dtype": out_dtype})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
 

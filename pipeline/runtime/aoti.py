@@ -35,14 +35,11 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
+from pipeline.config import GPU_RUNTIMES
+
 STORE_PREFIX = "kv_store."
+KEPT_OUT = ("executorch.backends", "executorch.extension.pybindings", "executorch.runtime")
 
-
-# validate.runtime -> how it runs the methods (validation.json says it)
-RUNTIMES = {
-    "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)",
-    "aoti": "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
-}
 
 
 def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", runtime: str = "inductor") -> dict:
@@ -55,8 +52,8 @@ def compile_methods(lowered: dict[str, ExportedProgram], device: str = "cuda", r
     (torch 2.11, CUDA 13), where loading any AOTInductor package segfaults."""
     from torch.export.passes import move_to_device_pass
 
-    if runtime not in RUNTIMES:
-        raise ValueError(f"validate.runtime={runtime} is not a runtime; choose one of {', '.join(RUNTIMES)}")
+    if runtime not in GPU_RUNTIMES:
+        raise ValueError(f"validate.runtime={runtime} is not a runtime; choose one of {', '.join(GPU_RUNTIMES)}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # graphs name the device as the tensors do: cuda:0
         device = torch.device("cuda", torch.cuda.current_device())
@@ -152,11 +149,12 @@ def _serve(conn, recipe, expect: str, device: str, runtime: str) -> None:
         if got != expect:
             raise MethodServerError(f"the child process rebuilt different graphs (fingerprint {got[:12]}, "
                                     f"parent's {expect[:12]}): nothing to validate against")
-        # executorch (and the torchao it imports) load native libraries of their own: none of them here,
-        # so that this process holds only torch's
-        loaded = sorted({m.split(".")[0] for m in sys.modules} & {"executorch", "torchao"})
+        # ExecuTorch's backends and runtime load native libraries of their own: none of them here, so
+        # that this process runs only torch's. Its neutral op (executorch.extension.llm.cache, which
+        # imports executorch.exir and torchao) is needed to trace the graphs and loads none.
+        loaded = sorted(m for m in sys.modules if m.startswith(KEPT_OUT))
         if loaded:
-            raise MethodServerError(f"{', '.join(loaded)} got imported in the method process; keep them out")
+            raise MethodServerError(f"{', '.join(loaded[:3])} got imported in the method process; keep them out")
         runners = compile_methods(programs, device, runtime)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which raises)

@@ -8,6 +8,7 @@ fed in the step: the rows a sampler reads, never one per token.
 """
 
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,8 @@ class Session:
         self.max_seqs = self.kv["max_seqs"]
         self.max_step_tokens = self.kv["max_step_tokens"]
         self.rows = {layer["kind"]: layer["rows"] for layer in self.kv["layers"]}
+        self.max_length = self.kv["max_seq_len"]  # tokens per sequence; None: unbounded (ring layers only)
+        self.vocab_size = self.kv["vocab_size"]
         self.seqs: dict[object, _Sequence] = {}
         n_cells = self.kv["capacity"]
         self.cell_pos = torch.zeros(n_cells, dtype=torch.int64)
@@ -62,7 +65,8 @@ class Session:
         return self._methods[name]
 
     def _check_constants(self) -> None:
-        expect = {"get_offgraph_kv_max_segments": self.kv["max_segments"], "get_max_step_tokens": self.kv["max_step_tokens"]}
+        expect = {"get_offgraph_kv_max_segments": self.kv["max_segments"], "get_max_step_tokens": self.kv["max_step_tokens"],
+                  "get_vocab_size": self.kv["vocab_size"]}
         if self.kv["layout"] == "cell":
             expect |= {"get_kv_cell_max_seqs": self.kv["max_seqs"], "get_kv_cell_count": self.kv["capacity"]}
         else:
@@ -80,7 +84,12 @@ class Session:
     # --- sequences ---
 
     def add(self, seq_id) -> None:
-        if seq_id in self.seqs:
+        """A new, empty sequence in the lowest free column (owner bit); refused without change when full."""
+        try:
+            live = seq_id in self.seqs
+        except TypeError:
+            raise SessionError(f"sequence id {seq_id!r} is not hashable; use a str or an int") from None
+        if live:
             raise SessionError(f"sequence {seq_id!r} is already live")
         if len(self.seqs) >= self.max_seqs:
             raise SessionError(
@@ -90,6 +99,7 @@ class Session:
         self.seqs[seq_id] = _Sequence(slot=min(set(range(self.max_seqs)) - taken))
 
     def release(self, seq_id) -> None:
+        """Forget a sequence: its column (or its cells) serve the next one."""
         seq = self._get(seq_id)
         bit = 1 << seq.slot
         for cell in seq.cells:
@@ -99,72 +109,113 @@ class Session:
         del self.seqs[seq_id]
 
     def _get(self, seq_id) -> _Sequence:
-        if seq_id not in self.seqs:
-            raise SessionError(f"unknown sequence {seq_id!r}; live: {sorted(map(str, self.seqs))}")
-        return self.seqs[seq_id]
+        try:
+            return self.seqs[seq_id]
+        except (KeyError, TypeError):
+            raise SessionError(f"unknown sequence {seq_id!r}; live: {sorted(map(str, self.seqs))}") from None
 
     # --- steps ---
 
     def step(self, feeds: dict[object, list[int]]) -> dict[object, torch.Tensor]:
-        """Append ``feeds[seq]`` tokens to each sequence; return each one's next-token logits."""
-        if not feeds:
-            raise SessionError("a step needs at least one sequence with tokens")
-        n_tokens = sum(len(t) for t in feeds.values())
-        if n_tokens > self.max_step_tokens:
-            raise SessionError(f"a step of {n_tokens} tokens exceeds the artifact's max_step_tokens={self.max_step_tokens}")
-        tokens, positions, order = [], [], []
-        for seq_id, toks in feeds.items():
-            seq = self._get(seq_id)
-            if not toks:
-                raise SessionError(f"sequence {seq_id!r} is fed no tokens")
+        """Append ``feeds[seq]`` tokens to each sequence; return each one's next-token logits.
+
+        Transactional: everything is checked before anything changes, and the session's state
+        (lengths, columns, cells) is committed only after the program ran. A refused or failed
+        step leaves the session as it was; the KV rows a failed step wrote are past every
+        sequence's length (or in cells nobody owns) and are never read."""
+        if not isinstance(feeds, dict) or not feeds:
+            raise SessionError("a step needs a dict of at least one sequence id -> tokens")
+        order = [(seq_id, self._get(seq_id), self._tokens(seq_id, toks)) for seq_id, toks in feeds.items()]
+        n_tokens = sum(len(toks) for *_, toks in order)
+        decode = all(len(toks) == 1 for *_, toks in order)
+        if not decode and n_tokens > self.max_step_tokens:
+            raise SessionError(f"a step of {n_tokens} tokens exceeds the artifact's max_step_tokens={self.max_step_tokens} "
+                               "(a decode step, one token per sequence, may take up to max_seqs)")
+        for seq_id, seq, toks in order:
             end = seq.length + len(toks)
-            if self.layout != "cell" and "flat" in self.rows and end > self.rows["flat"]:
-                raise SessionError(f"sequence {seq_id!r} would reach {end} tokens, past the flat layers' capacity of {self.rows['flat']}")
-            tokens += toks
-            positions += range(seq.length, end)
-            order.append((seq_id, seq, len(toks)))
-        step_buffers = self._step_buffers(order, n_tokens)
-        for _, seq, n in order:
+            if self.max_length is not None and end > self.max_length:
+                raise SessionError(f"sequence {seq_id!r} would reach {end} tokens, past the flat layers' capacity of "
+                                   f"{self.max_length}; release it or build with a larger kv.capacity")
+        cells = self._take_cells(n_tokens) if self.layout == "cell" else []
+
+        step_buffers = self._step_buffers([(seq, len(toks)) for _, seq, toks in order], cells)
+        token_t = torch.tensor([t for *_, toks in order for t in toks], dtype=torch.int64)
+        pos_t = torch.tensor([p for _, seq, toks in order for p in range(seq.length, seq.length + len(toks))],
+                             dtype=torch.int64)
+        try:
+            embeddings = self.method("embed_text").execute([token_t])[0]
+            if decode:
+                logits = self.method("decode_from_embedding").execute([embeddings, pos_t, *step_buffers])[0]
+            else:
+                last_rows = torch.tensor(list(_cumulative_last([len(toks) for *_, toks in order])), dtype=torch.int64)
+                logits = self.method("forward_from_embeddings").execute([embeddings, pos_t, last_rows, *step_buffers])[0]
+        except Exception as err:
+            ids = ", ".join(repr(seq_id) for seq_id, *_ in order)
+            raise SessionError(f"the program failed on the step of sequences {ids} ({err}); "
+                               "the session is unchanged") from err
+
+        self._commit([(seq, len(toks)) for _, seq, toks in order], cells)
+        return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
+
+    def _tokens(self, seq_id, toks) -> list[int]:
+        """The tokens as Python ints in [0, vocab); anything else is refused, naming the sequence."""
+        if isinstance(toks, torch.Tensor):
+            if toks.dtype.is_floating_point or toks.dtype.is_complex or toks.dtype == torch.bool or toks.dim() != 1:
+                raise SessionError(f"sequence {seq_id!r}: tokens must be a 1-d integer tensor, got {toks.dtype} "
+                                   f"of shape {tuple(toks.shape)}")
+            toks = toks.tolist()
+        if isinstance(toks, (str, bytes)) or not hasattr(toks, "__iter__"):
+            raise SessionError(f"sequence {seq_id!r}: tokens must be a list of token ids, got {type(toks).__name__}")
+        toks = list(toks)
+        if not toks:
+            raise SessionError(f"sequence {seq_id!r} is fed no tokens")
+        for i, t in enumerate(toks):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise SessionError(f"sequence {seq_id!r}: token {i} is {t!r} ({type(t).__name__}), not an integer id")
+            if not 0 <= t < self.vocab_size:
+                raise SessionError(f"sequence {seq_id!r}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
+        return [int(t) for t in toks]
+
+    def _take_cells(self, n: int) -> list[int]:
+        """The cells the step will write: chosen, not yet taken (``_commit`` takes them)."""
+        if n > len(self.free_cells):
+            raise SessionError(f"the cell pool is full: the step needs {n} cells, "
+                               f"{len(self.free_cells)} of {self.kv['capacity']} are free")
+        return self.free_cells[:n]
+
+    def _commit(self, order: list[tuple[_Sequence, int]], cells: list[int]) -> None:
+        """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
+        taken = iter(cells)
+        for seq, n in order:
+            if cells:
+                for i, cell in zip(range(n), taken):
+                    self.cell_pos[cell] = seq.length + i
+                    self.cell_owners[cell] = 1 << seq.slot
+                    seq.cells.append(cell)
             seq.length += n
-        token_t = torch.tensor(tokens, dtype=torch.int64)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        embeddings = self.method("embed_text").execute([token_t])[0]
-        if all(n == 1 for *_, n in order):
-            logits = self.method("decode_from_embedding").execute([embeddings, pos_t, *step_buffers])[0]
-        else:
-            last_rows = torch.tensor(list(_cumulative_last([n for *_, n in order])), dtype=torch.int64)
-            logits = self.method("forward_from_embeddings").execute([embeddings, pos_t, last_rows, *step_buffers])[0]
-        return {seq_id: logits[i] for i, (seq_id, *_) in enumerate(order)}
+        del self.free_cells[: len(cells)]
 
-    def _step_buffers(self, order, n_tokens: int) -> list[torch.Tensor]:
+    def _step_buffers(self, order: list[tuple[_Sequence, int]], cells: list[int]) -> list[torch.Tensor]:
+        """The step buffers for the step about to run, computed from the state it will leave."""
         if self.layout == "cell":
-            return self._cell_buffers(order)
-        seq_cols = torch.tensor([seq.slot for _, seq, n in order for _ in range(n)], dtype=torch.int64)
-        buffers = {"seq_cols": seq_cols}
-        for kind, rows in self.rows.items():
-            segments = [run for _, seq, n in order for run in sequence_segments(seq.length + n, rows, seq.slot)]
-            info = torch.zeros(self.kv["max_segments"], 4, dtype=torch.int64)
-            if segments:
-                info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
-            buffers[f"seq_info_{kind}"] = info
-        return [buffers[b["name"]] for b in self.kv["step_buffers"]]
-
-    def _cell_buffers(self, order) -> list[torch.Tensor]:
-        needed = sum(n for *_, n in order)
-        if needed > len(self.free_cells):
-            raise SessionError(f"the cell pool is full: the step needs {needed} cells, {len(self.free_cells)} of {self.kv['capacity']} are free")
-        cell_ids, bits = [], []
-        for _, seq, n in order:
-            for i in range(n):
-                cell = self.free_cells.pop(0)
-                self.cell_pos[cell] = seq.length + i
-                self.cell_owners[cell] = 1 << seq.slot
-                seq.cells.append(cell)
-                cell_ids.append(cell)
-                bits.append(1 << seq.slot)
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-        buffers = {"cell_ids": as_t(cell_ids), "q_seq_bits": as_t(bits),
-                   "cell_pos": self.cell_pos.clone(), "cell_owners": self.cell_owners.clone()}
+            cell_pos, cell_owners = self.cell_pos.clone(), self.cell_owners.clone()
+            bits = []
+            taken = iter(cells)
+            for seq, n in order:
+                for i in range(n):
+                    cell = next(taken)
+                    cell_pos[cell], cell_owners[cell] = seq.length + i, 1 << seq.slot
+                    bits.append(1 << seq.slot)
+            buffers = {"cell_ids": torch.tensor(cells, dtype=torch.int64), "q_seq_bits": torch.tensor(bits, dtype=torch.int64),
+                       "cell_pos": cell_pos, "cell_owners": cell_owners}
+        else:
+            buffers = {"seq_cols": torch.tensor([seq.slot for seq, n in order for _ in range(n)], dtype=torch.int64)}
+            for kind, rows in self.rows.items():
+                segments = [run for seq, n in order for run in sequence_segments(seq.length + n, rows, seq.slot)]
+                info = torch.zeros(self.kv["max_segments"], 4, dtype=torch.int64)
+                if segments:
+                    info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
+                buffers[f"seq_info_{kind}"] = info
         return [buffers[b["name"]] for b in self.kv["step_buffers"]]
 
 

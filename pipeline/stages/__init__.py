@@ -6,6 +6,8 @@ only the config sections it names and the upstream artifacts it needs.
 
 from dataclasses import dataclass
 
+from pipeline.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -31,7 +33,7 @@ STAGES = {
 }
 
 
-class StageOrderError(ValueError):
+class StageOrderError(ConfigError):
     pass
 
 

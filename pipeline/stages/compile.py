@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config import BACKENDS
 from pipeline.kernels.reference import ATEN_DECOMPOSITIONS
 from pipeline.kv.manifest import constant_methods, manifest
 from pipeline.passes.common_subexpressions import merge_common_subexpressions
 
-BACKENDS = ("cuda", "portable", "xnnpack")
 
 
 def _partitioners(backend: str, methods: list[str]):
@@ -63,7 +63,7 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     programs = backend_programs(lowered, backend)
     print(f"  to_edge_transform_and_lower ({backend}): {', '.join(programs)}", flush=True)
     edge = to_edge_transform_and_lower(
-        programs, partitioner=_partitioners(backend, list(programs)), constant_methods=constant_methods(layout),
+        programs, partitioner=_partitioners(backend, list(programs)), constant_methods=constant_methods(layout, inputs["kv_manifest"]["vocab_size"]),
         # the CUDA backend's AOTInductor graphs hold ops outside the Edge dialect (the Triton kernel)
         compile_config=EdgeCompileConfig(_check_ir_validity=backend != "cuda"),
     )

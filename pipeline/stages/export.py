@@ -7,13 +7,9 @@ import torch
 from torch.export import Dim
 
 from pipeline.config import ModelConfig
-from pipeline.models.transformer import DecodeFromEmbedding, EmbedText, ForwardFromEmbeddings, ModelArgs, build_model
+from pipeline.models.args import ModelArgs, model_args
+from pipeline.models.transformer import DecodeFromEmbedding, EmbedText, ForwardFromEmbeddings, build_model
 from pipeline.passes.lower_offgraph_kv import MethodInputs
-
-
-def model_args(model_cfg) -> ModelArgs:
-    fields = {k: model_cfg[k] for k in ModelArgs.__dataclass_fields__}
-    return ModelArgs(**fields)
 
 
 def _dim(name: str, upper: int):

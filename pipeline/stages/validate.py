@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import BuildError
+from pipeline.feasibility import episode_sequences
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.runtime.session import Session
 
 
-class ValidationFailed(RuntimeError):
+class ValidationFailed(BuildError):
     pass
 
 
@@ -50,16 +52,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor, metric: str = "range")
 
 
 def plan(validate_cfg, max_seqs: int, vocab: int) -> list[_Script]:
+    """The episode's sequences (``feasibility.episode_sequences``) with random prompts."""
     gen = torch.Generator().manual_seed(validate_cfg.seed)
-    lengths = list(validate_cfg.prompt_lengths)
-    scripts = []
-    for i in range(max_seqs + 1):  # one more than fits: it waits for a column to free
-        n = lengths[i % len(lengths)]
-        prompt = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        # staggered decode lengths: the first sequence finishes first and frees its column
-        scripts.append(_Script(f"seq{i}", prompt, max(2, validate_cfg.decode_steps - 5 * ((max_seqs - i) % (max_seqs + 1)))))
-    scripts[0].decode_steps = max(2, validate_cfg.decode_steps // 4)
-    return scripts
+    return [_Script(f"seq{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), decode_steps)
+            for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
 
 
 def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range") -> dict:
@@ -138,12 +134,13 @@ def _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir
     if backend_cfg.name != "cuda":
         yield Session(workdir), "executorch.runtime (Python bindings), CPU"
         return
-    from pipeline.runtime.aoti import RUNTIMES, MethodServer
+    from pipeline.config import GPU_RUNTIMES
+    from pipeline.runtime.aoti import MethodServer
     from pipeline.stages.compile import backend_programs
 
     gpu = torch.cuda.get_device_name()
     runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
-               f"rebuilt from the config in a child process (same fingerprint), {RUNTIMES[validate_cfg.runtime]}, on {gpu} "
+               f"rebuilt from the config in a child process (same fingerprint), {GPU_RUNTIMES[validate_cfg.runtime]}, on {gpu} "
                f"(ExecuTorch's Python runtime has no CUDA backend)")
     with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), backend_programs(inputs["lowered"], backend_cfg.name),
                       device="cuda", runtime=validate_cfg.runtime) as server:

@@ -1,0 +1,107 @@
+"""What a config implies, computed from the config alone, before anything is exported.
+
+Every bound the artifact implies is checked here, in one place, so that an infeasible config is
+refused in a second instead of after minutes of export and compile: the model's shapes, the
+validation episode against the KV capacity, and the build's memory against a budget. Free of
+torch (the error path must stay fast).
+"""
+
+import os
+
+from pipeline.errors import ConfigError
+from pipeline.kv.layouts import DTYPE_BYTES, KVLayout
+from pipeline.models.args import ModelArgs
+
+GB = 1e9
+
+# The build's peak resident memory, fitted on this project's builds (bench/build_memory.py prints
+# the estimate next to the measured peak): the KV stores are held by the lowered programs of both
+# attending methods, their copies for the backend, ExecuTorch's edge and emitted programs and the
+# runtime's planned buffers; the ATen attention copies each query's column of the store.
+BASE_BYTES = 1.6 * GB  # python, torch, executorch, the tiny model's build
+KV_COPIES = 8
+WEIGHT_COPIES = 6
+
+
+def episode_sequences(validate_cfg, max_seqs: int) -> list[tuple[int, int]]:
+    """The validate episode's sequences, (prompt tokens, decode steps): max_seqs + 1 of them, one
+    more than fits so that one waits for a column; the first finishes first and frees its column."""
+    lengths = list(validate_cfg.prompt_lengths)
+    steps = validate_cfg.decode_steps
+    shape = [(lengths[i % len(lengths)], max(2, steps - 5 * ((max_seqs - i) % (max_seqs + 1)))) for i in range(max_seqs + 1)]
+    shape[0] = (shape[0][0], max(2, steps // 4))
+    return shape
+
+
+def memory_estimate(layout: KVLayout, args: ModelArgs, model_dtype: str) -> dict[str, float]:
+    """Bytes: the KV stores, the weights, and the build's estimated peak."""
+    kv = sum(layout.kv_bytes_per_layer())
+    weights = args.n_parameters() * DTYPE_BYTES[model_dtype]
+    # the ATen sequence attention gathers each query token's column of the widest store
+    widest = max(2 * layer.rows * layout.n_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype] for layer in layout.layers)
+    gather = 0 if layout.layout == "cell" else 4 * layout.max_step_tokens * widest
+    return {"kv": kv, "weights": weights,
+            "peak": BASE_BYTES + KV_COPIES * kv + WEIGHT_COPIES * weights + gather}
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine, in bytes (the default budget)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_model(args: ModelArgs) -> None:
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer")
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.dim={args.dim} is not a multiple of model.n_heads={args.n_heads}; "
+                          "the head dim is dim / n_heads")
+    if args.head_dim % 2:
+        raise ConfigError(f"model.dim={args.dim} / model.n_heads={args.n_heads} gives an odd head dim "
+                          f"{args.head_dim}; RoPE rotates pairs, choose an even one")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={args.n_kv_heads}; "
+                          "grouped-query attention shares each KV head among n_heads / n_kv_heads query heads")
+    if not args.layer_pattern or set(args.layer_pattern) - set("FR"):
+        raise ConfigError(f"model.layer_pattern={args.layer_pattern!r} must be letters F (flat) and R (ring), e.g. RF")
+    if "R" in (args.layer_pattern * args.n_layers)[: args.n_layers] and args.sliding_window < 1:
+        raise ConfigError(f"model.layer_pattern={args.layer_pattern} has ring layers but "
+                          f"model.sliding_window={args.sliding_window}; give ring layers a window of at least 1")
+
+
+def check_episode(validate_cfg, layout: KVLayout) -> None:
+    """The validate stage's episode must fit in the artifact it validates."""
+    lengths = list(validate_cfg.prompt_lengths)
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"validate.prompt_lengths={lengths} must be a non-empty list of positive token counts")
+    if validate_cfg.decode_steps < 1:
+        raise ConfigError(f"validate.decode_steps={validate_cfg.decode_steps} must be at least 1")
+    if not validate_cfg.tolerance > 0:
+        raise ConfigError(f"validate.tolerance={validate_cfg.tolerance} must be positive")
+    totals = sorted((p + d for p, d in episode_sequences(validate_cfg, layout.max_seqs)), reverse=True)
+    if layout.max_seq_len is not None and totals[0] > layout.max_seq_len:
+        raise ConfigError(
+            f"kv.capacity={layout.capacity} is too small for the validation episode: its longest sequence has "
+            f"{totals[0]} tokens (validate.prompt_lengths up to {max(lengths)} + validate.decode_steps); "
+            f"raise kv.capacity to at least {totals[0]} or shorten the episode")
+    if layout.layout == "cell":
+        # a bound, not a simulation: the sequences live together could all be at their longest
+        peak = sum(totals[: layout.max_seqs])
+        if peak > layout.capacity:
+            raise ConfigError(
+                f"kv.capacity={layout.capacity} cells may be too few for the validation episode: "
+                f"{layout.max_seqs} live sequences can hold up to {peak} tokens; raise kv.capacity to at least "
+                f"{peak} or shorten validate.prompt_lengths / validate.decode_steps")
+
+
+def check_memory(layout: KVLayout, args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:
+    """The build's estimated peak against ``memory_budget_gb`` (None: this machine's memory)."""
+    estimate = memory_estimate(layout, args, model_dtype)
+    budget = machine_memory() if budget_gb is None else budget_gb * GB
+    where = "this machine's memory; set memory_budget_gb to change it" if budget_gb is None else f"memory_budget_gb={budget_gb}"
+    if estimate["peak"] > budget:
+        raise ConfigError(
+            f"kv.max_seqs={layout.max_seqs}, kv.capacity={layout.capacity}: the KV stores take "
+            f"{estimate['kv'] / GB:.2f} GB and the build needs an estimated {estimate['peak'] / GB:.1f} GB, "
+            f"over the budget of {budget / GB:.1f} GB ({where}); lower kv.max_seqs or kv.capacity")
+    return estimate
