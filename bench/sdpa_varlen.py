@@ -324,7 +324,7 @@ def numerics(hq, hkv, d, n_keys, n_q, B):
     kk = k.view(w.rows, cols, hkv, d)
     vv = v.view(w.rows, cols, hkv, d)
     rows_of = []
-    for c, (n, nq, r0) in enumerate(w.seqs):
+    for n, _, r0 in w.seqs:
         idx = [(r0 + j) % w.rows for j in range(n)]
         rows_of.append(idx)
     idx = torch.tensor(rows_of, device=DEV)  # [B, n]
@@ -541,15 +541,13 @@ def main():
         f"triton {__import__('triton').__version__}")
 
     # ceilings
-    x = torch.randn(2 * 1024 ** 3, device=DEV, dtype=DT)  # 4 GiB
-    us, _ = time_fn([lambda: x.sum()], reps=10)
-    read_tbs = x.numel() * 2 / us / 1e6
-    del x
-    a = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    bm = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    us, _ = time_fn([lambda: a @ bm], reps=10)
+    big = {"x": torch.randn(2 * 1024 ** 3, device=DEV, dtype=DT)}  # 4 GiB
+    us, _ = time_fn([lambda: big["x"].sum()], reps=10)
+    read_tbs = big["x"].numel() * 2 / us / 1e6
+    big = {"a": torch.randn(8192, 8192, device=DEV, dtype=DT), "b": torch.randn(8192, 8192, device=DEV, dtype=DT)}
+    us, _ = time_fn([lambda: big["a"] @ big["b"]], reps=10)
     mm_tf = 2 * 8192 ** 3 / us / 1e6
-    del a, bm
+    big.clear()
     torch.cuda.empty_cache()
     log(f"read bandwidth (sum over 4 GiB bf16): {read_tbs:.2f} TB/s; bf16 matmul 8192^3: {mm_tf:.0f} TFLOP/s")
 
@@ -653,7 +651,8 @@ def main():
     if chosen is not None:
         md += ["", "## Tile sweep (our kernel; the table above uses the module defaults)", "",
                f"fastest on the sweep cases: `{chosen}`", "",
-               "module defaults: `" + str({n: getattr(K, n) for n in KNOBS}) + "`", "", "| variant | sum of time ratios | cases |", "|---|---:|---|"] + sweep_report
+               "module defaults: `" + str({n: getattr(K, n) for n in KNOBS}) + "`", "",
+               "| variant | sum of time ratios | cases |", "|---|---:|---|"] + sweep_report
     if profile_report:
         md += ["", "## Profile (our kernel, per launch, median µs under torch.profiler, before the sweep)", ""]
         md += [f"- {x}" for x in profile_report]

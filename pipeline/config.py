@@ -8,7 +8,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from pipeline.errors import ConfigError
-
 from pipeline.models.args import ModelArgs
 
 # Closed sets of the schema's string settings, each defined once.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import BuildError, ConfigError
+from pipeline.errors import ConfigError
 from pipeline.stages import check_order
 
 SRC = Path(__file__).resolve().parent
@@ -57,7 +57,8 @@ def check_config(cfg: DictConfig) -> list:
     layout = build_layout(cfg.kv, args)
     if "validate" in {s.name for s in plan}:
         check_episode(cfg.validate, layout)
-    check_memory(layout, args, cfg.model.dtype, cfg.memory_budget_gb)
+    if "lower_kv" in {s.name for s in plan}:  # the KV stores exist from lower_kv on
+        check_memory(layout, args, cfg.model.dtype, cfg.memory_budget_gb)
     needs_gpu = {"compile", "validate"} & {s.name for s in plan}
     if cfg.backend.name == "cuda" and needs_gpu:
         import torch

@@ -33,9 +33,9 @@ def test_program_matches_oracle_directly(build_dir):
     """Independent of the validate stage: load the .pte and compare one prefill with the eager model."""
     from executorch.runtime import Runtime
 
-    from pipeline.models.transformer import build_model
     from conftest import compose_config
     from pipeline.models.args import model_args
+    from pipeline.models.transformer import build_model
 
     version = build_dir()
     cfg = compose_config()
@@ -213,7 +213,7 @@ def test_sweep_jobs_get_their_own_directories(tmp_path):
     jobs = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").glob("default/*/v0001"))
     assert jobs == ["default/backend=portable,kv.max_seqs=1,model=tiny_flat,stages=[export,lower_kv]/v0001",
                     "default/backend=portable,kv.max_seqs=2,model=tiny_flat,stages=[export,lower_kv]/v0001"]
-    for job, max_seqs in zip(jobs, (1, 2)):
+    for job, max_seqs in zip(jobs, (1, 2), strict=True):
         config = (tmp_path / "out" / job / ".hydra" / "config.yaml").read_text()
         assert f"max_seqs: {max_seqs}" in config
     assert len(list((tmp_path / "out" / "multirun").glob("*/multirun.yaml"))) == 1

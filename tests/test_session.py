@@ -151,7 +151,7 @@ def test_program_failure_leaves_the_session_as_it_was(build_dir, layout):
     s = Session(build_dir(*LAYOUT_BUILDS[layout]))
     oracle = Oracle(*LAYOUT_BUILDS[layout])
     ids = ["a", "b"] if s.max_seqs > 1 else ["a"]
-    for i, seq_id in enumerate(ids):
+    for seq_id in ids:
         s.add(seq_id)
         oracle.add(seq_id)
     step_and_check(s, oracle, {seq_id: [5 + i, 9, 2, 40 + i] for i, seq_id in enumerate(ids)})

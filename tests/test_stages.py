@@ -8,9 +8,8 @@ import torch
 
 from conftest import compose_config
 from pipeline.passes.lower_offgraph_kv import count_neutral
-from pipeline.stages import check_order, StageOrderError
+from pipeline.stages import StageOrderError, check_order, export, lower_kv, validate
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import export, lower_kv, validate
 
 
 @pytest.fixture(scope="module")

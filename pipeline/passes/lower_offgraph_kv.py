@@ -24,6 +24,7 @@ from torch.export import ExportedProgram
 from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_varlen / sdpa_cells)
 from pipeline.kv.layouts import KVLayout
 from pipeline.kv.op import NEUTRAL_OP
+
 STORE_MODULE = "kv_store"  # stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
 
 aten = torch.ops.aten

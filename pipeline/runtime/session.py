@@ -133,7 +133,7 @@ class Session:
                                "(a decode step, one token per sequence, may take up to max_seqs)")
         for seq_id, seq, toks in order:
             end = seq.length + len(toks)
-            if self.max_length is not None and end > self.max_length:
+            if self.layout != "cell" and self.max_length is not None and end > self.max_length:  # cells: the pool
                 raise SessionError(f"sequence {seq_id!r} would reach {end} tokens, past the flat layers' capacity of "
                                    f"{self.max_length}; release it or build with a larger kv.capacity")
         cells = self._take_cells(n_tokens) if self.layout == "cell" else []
@@ -188,7 +188,7 @@ class Session:
         taken = iter(cells)
         for seq, n in order:
             if cells:
-                for i, cell in zip(range(n), taken):
+                for i, cell in zip(range(n), taken, strict=False):  # the next n cells
                     self.cell_pos[cell] = seq.length + i
                     self.cell_owners[cell] = 1 << seq.slot
                     seq.cells.append(cell)

@@ -21,7 +21,6 @@ from pipeline.kv.manifest import constant_methods, manifest
 from pipeline.passes.common_subexpressions import merge_common_subexpressions
 
 
-
 def _partitioners(backend: str, methods: list[str]):
     if backend == "xnnpack":
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner

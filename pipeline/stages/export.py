@@ -19,10 +19,12 @@ def _dim(name: str, upper: int):
 
 def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int, dtype=torch.float32) -> dict[str, MethodInputs]:
     n_tokens, n_seqs = _dim("n_tokens", max_step_tokens), _dim("n_seqs", max_seqs)
+    n_embed = _dim("n_embed", max(max_step_tokens, max_seqs))
     step, width = max_step_tokens, max_seqs  # examples at the upper bounds
     embeddings = torch.zeros(1, step, args.dim, dtype=dtype)
     return {
-        "embed_text": MethodInputs((torch.zeros(step, dtype=torch.int64),), ({0: n_tokens},), n_tokens),
+        # embed_text serves both: a prefill chunk, or one token of every sequence for a decode
+        "embed_text": MethodInputs((torch.zeros(step, dtype=torch.int64),), ({0: n_embed},), n_embed),
         "forward_from_embeddings": MethodInputs(
             (embeddings, torch.arange(step), torch.arange(width)),
             ({1: n_tokens}, {0: n_tokens}, {0: n_seqs}), n_tokens),

@@ -173,7 +173,8 @@ def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Pat
         "passed": passed,
     }
     (workdir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {validate_cfg.tolerance:.0e}) over {stats['steps']} steps", flush=True)
+    print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {validate_cfg.tolerance:.0e}) "
+          f"over {stats['steps']} steps", flush=True)
     if not passed:
         raise ValidationFailed(
             f"validation failed: max relative logit error {worst:.3e} exceeds validate.tolerance={validate_cfg.tolerance}")
