@@ -76,8 +76,10 @@ def _first_line(err: BaseException) -> str:
 
 
 def one_line(err: BaseException) -> str:
-    """Hydra's and OmegaConf's multi-line errors as one line: the message and its cause."""
-    message = _first_line(err)
+    """Hydra's and OmegaConf's multi-line errors as one line: the message (its hints joined by
+    '; ') and its cause."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+    message = "; ".join(lines) or type(err).__name__
     cause = err.__cause__
     if cause is not None and _first_line(cause) not in message:
         message += f": {_first_line(cause)}"

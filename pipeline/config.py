@@ -119,7 +119,7 @@ def _expected(field_type) -> str:
     plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
     if typing.get_origin(field_type) in (list, tuple):
         item = typing.get_args(field_type)[0]
-        return f"a list of {plural.get(item, 'values')}, e.g. [1,2]"
+        return f"a list of {plural.get(item, 'values')}, e.g. {'[1,2]' if item in (int, float) else '[a,b]'}"
     args = typing.get_args(field_type)
     if type(None) in args:  # Optional
         return " or ".join([_expected(a) for a in args if a is not type(None)] + ["null"])

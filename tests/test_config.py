@@ -82,6 +82,9 @@ BAD_INPUT = [
     (["kv.capacity=40"], ["kv.capacity=40", "validation episode", "at least 49"]),
     (["kv=cell", "kv.max_seqs=32"], ["kv.capacity=512", "validation episode", "1044"]),
     (["validate.decode_steps=0"], ["validate.decode_steps=0", "at least 1"]),
+    # what gets past the checks to Hydra, shortened to one line
+    (["kv.max_seqs=1,2"], ["kv.max_seqs=1,2", "add --multirun"]),
+    (["hydra.job.chdir=maybe"], ["hydra.job.chdir=maybe", "not a valid bool"]),
 ]
 
 
