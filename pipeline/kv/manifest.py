@@ -50,11 +50,13 @@ def constant_methods(layout: KVLayout, vocab_size: int) -> dict[str, int]:
     return constants
 
 
-def manifest(kv: dict, backend: str, program: str, data_files: list[str], methods: dict[str, list[str]]) -> dict:
+def manifest(kv: dict, backend: str, program: str, data_files: list[str], methods: dict[str, list[str]],
+             tokenizer: str | None = None) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "program": program,
         "data_files": data_files,
+        "tokenizer": tokenizer,  # directory of the checkpoint's tokenizer (transformers' format), or null
         "backend": backend,
         "methods": methods,  # method -> its input names in order
         "target": kv,

@@ -16,16 +16,19 @@ class ModelArgs:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 2
+    head_dim: int = 0  # per attention head; 0: dim // n_heads
     hidden_dim: int = 176
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int = 0  # keys a ring layer sees, counting the query itself
     layer_pattern: str = "F"  # repeated over layers: F = flat (global), R = ring (sliding window)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if not self.head_dim and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads
 
     def layer_kv(self) -> list[LayerKV]:
         kinds = (self.layer_pattern * self.n_layers)[: self.n_layers]
@@ -33,7 +36,9 @@ class ModelArgs:
 
     def n_parameters(self) -> int:
         """Weights of ``models/transformer.py``'s Transformer with these settings."""
-        attention = self.dim * self.n_heads * self.head_dim * 2 + self.dim * self.n_kv_heads * self.head_dim * 2
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attention = 2 * self.dim * q + 2 * self.dim * kv
+        attention += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         block = attention + 3 * self.dim * self.hidden_dim + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * block + self.dim + head

@@ -1,7 +1,8 @@
 """A Llama-family decoder whose attention calls the neutral KV op.
 
 RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings and
-sliding-window (ring) layers by pattern. Tokens of every sequence in a step
+sliding-window (ring) layers by pattern; the families' options (``models/families.py``): q/k/v
+biases (Qwen2), per-head q/k RMSNorm (Qwen3), a head dim of its own. Tokens of every sequence in a step
 share one token axis (B = 1); which sequence a token belongs to is not a model
 input: it reaches the KV store through step buffers added by ``lower_kv``.
 """
@@ -44,16 +45,21 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
         _, n_tok, _ = x.shape
-        q = rope(self.wq(x).view(1, n_tok, self.n_heads, self.head_dim), cos, sin)
-        k = rope(self.wk(x).view(1, n_tok, self.n_kv_heads, self.head_dim), cos, sin)
+        q = self.wq(x).view(1, n_tok, self.n_heads, self.head_dim)  # [1, T, Hq, D]
+        k = self.wk(x).view(1, n_tok, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(1, n_tok, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         # q: [1, Hq, T, D]  k, v: [1, Hkv, T, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = torch.ops.kvcache.update_and_attend(

@@ -34,7 +34,9 @@ class Session:
 
     def __init__(self, artifact_dir: str | Path, methods: dict | None = None):
         artifact_dir = Path(artifact_dir)
+        self.artifact_dir = artifact_dir
         self.manifest = json.loads((artifact_dir / "manifest.json").read_text())
+        self._tokenizer = None
         self.kv = self.manifest["target"]
         self._methods = {}
         if methods is None:
@@ -217,6 +219,58 @@ class Session:
                     info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
                 buffers[f"seq_info_{kind}"] = info
         return [buffers[b["name"]] for b in self.kv["step_buffers"]]
+
+
+    # --- text (artifacts built from a checkpoint carry its tokenizer) ---
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            if not self.manifest.get("tokenizer"):
+                raise SessionError(f"{self.artifact_dir} has no tokenizer: it was built without model.checkpoint; "
+                                   "feed token ids instead of text")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.artifact_dir / self.manifest["tokenizer"]))
+        return self._tokenizer
+
+    def generate(self, prompts: dict[object, str], max_new_tokens: int = 32, stop_at_eos: bool = True) -> dict[object, str]:
+        """Greedy continuations of text prompts, all sequences at once: chunked prefill sharing steps,
+        then one decode step for every live sequence. The sequences are added and released here."""
+        for seq_id, text in prompts.items():
+            if not isinstance(text, str) or not text:
+                raise SessionError(f"sequence {seq_id!r}: a prompt must be a non-empty str, got {text!r}")
+        if live := [repr(s) for s in prompts if s in self.seqs]:
+            raise SessionError(f"sequences {', '.join(live)} are already live; generate adds its own")
+        if len(prompts) > self.max_seqs - len(self.seqs):
+            raise SessionError(f"{len(prompts)} prompts, but only {self.max_seqs - len(self.seqs)} of the artifact's "
+                               f"max_seqs={self.max_seqs} columns are free")
+        pending = {seq_id: self.tokenizer(text).input_ids for seq_id, text in prompts.items()}
+        eos = self.tokenizer.eos_token_id if stop_at_eos else None
+        for seq_id in prompts:
+            self.add(seq_id)
+        out: dict[object, list[int]] = {seq_id: [] for seq_id in prompts}
+        try:
+            last = {}
+            while any(pending.values()):
+                feeds, room = {}, self.max_step_tokens
+                for seq_id, ids in pending.items():
+                    if ids and room > 0:
+                        feeds[seq_id], pending[seq_id] = ids[:room], ids[room:]
+                        room -= len(feeds[seq_id])
+                logits = self.step(feeds)
+                last |= {seq_id: logits[seq_id] for seq_id in feeds if not pending[seq_id]}
+            live = list(prompts)
+            while live:
+                for seq_id in live:
+                    out[seq_id].append(int(last[seq_id].argmax()))
+                live = [s for s in live if len(out[s]) < max_new_tokens and out[s][-1] != eos]
+                if live:
+                    last = self.step({seq_id: [out[seq_id][-1]] for seq_id in live})
+        finally:
+            for seq_id in prompts:
+                self.release(seq_id)
+        return {seq_id: self.tokenizer.decode(ids, skip_special_tokens=True) for seq_id, ids in out.items()}
 
 
 @dataclass

@@ -25,9 +25,9 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("export", ("model", "kv"), (), ("model", "exported")),
+        Stage("export", ("model", "kv"), (), ("model", "exported", "tokenizer")),
         Stage("lower_kv", ("kv", "backend"), ("model", "exported"), ("layout", "lowered", "kv_manifest")),
-        Stage("compile", ("backend",), ("layout", "lowered", "kv_manifest"), ("program", "manifest")),
+        Stage("compile", ("backend",), ("layout", "lowered", "kv_manifest", "tokenizer"), ("program", "manifest")),
         Stage("validate", ("validate", "model", "kv", "backend"), ("model", "lowered", "program"), ("validation",)),
     )
 }

@@ -82,6 +82,7 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     data_files = sorted(p.name for p in workdir.glob("*.ptd"))
     methods = {name: [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
                for name, ep in lowered.items()}
-    doc = manifest(inputs["kv_manifest"], backend, program.name, data_files, methods)
+    tokenizer = inputs["tokenizer"] and inputs["tokenizer"].name
+    doc = manifest(inputs["kv_manifest"], backend, program.name, data_files, methods, tokenizer)
     (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     return {"program": program, "manifest": doc}

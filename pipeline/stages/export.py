@@ -1,13 +1,19 @@
 """export: the eager model and its methods, traced with the neutral KV op.
 
-gives: model (the eager oracle and its args), exported ({method: (ExportedProgram, MethodInputs)})
+gives: model (the eager oracle and its args), exported ({method: (ExportedProgram, MethodInputs)}),
+       tokenizer (the checkpoint's, saved as tokenizer/; None without a checkpoint)
 """
+
+from pathlib import Path
 
 import torch
 from torch.export import Dim
 
 from pipeline.config import ModelConfig
 from pipeline.models.args import ModelArgs, model_args
+from pipeline.models.families import family
+from pipeline.models.loaders import load_into
+from pipeline.models.tokenizer import save_tokenizer
 from pipeline.models.transformer import DecodeFromEmbedding, EmbedText, ForwardFromEmbeddings, build_model
 from pipeline.passes.lower_offgraph_kv import MethodInputs
 
@@ -37,7 +43,14 @@ def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int, dtype=to
 def run(model_cfg: ModelConfig, kv_cfg, inputs: dict, workdir) -> dict:
     args = model_args(model_cfg)
     dtype = getattr(torch, model_cfg.dtype)
-    model = build_model(args, model_cfg.seed).to(dtype)
+    model = build_model(args, model_cfg.seed)
+    tokenizer = None
+    if model_cfg.checkpoint:
+        print(f"  load {model_cfg.checkpoint}", flush=True)
+        load_into(model, model_cfg.checkpoint, family(model_cfg.family))
+        if workdir is not None:
+            tokenizer = save_tokenizer(model_cfg.checkpoint, Path(workdir))
+    model = model.to(dtype)
     views = {
         "embed_text": EmbedText(model),
         "forward_from_embeddings": ForwardFromEmbeddings(model),
@@ -49,4 +62,4 @@ def run(model_cfg: ModelConfig, kv_cfg, inputs: dict, workdir) -> dict:
         with torch.no_grad():
             ep = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
         exported[name] = (ep, spec)
-    return {"model": model, "exported": exported}
+    return {"model": model, "exported": exported, "tokenizer": tokenizer}

@@ -1,0 +1,270 @@
+"""Real checkpoints through the model seam, against Hugging Face transformers on the same files:
+SmolLM2-135M's GGUF, and tiny random Llama / Qwen2 / Qwen3 directories written by transformers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_config
+from pipeline.errors import BuildError, ConfigError
+from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.models.args import model_args
+from pipeline.models.families import FAMILIES, family
+from pipeline.models.loaders import load_into
+from pipeline.models.transformer import build_model
+from pipeline.runner import check_config, with_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+# fp32 rounding across 30 layers, relative to the logit range; the weights are the same dequantized
+# tensors on both sides (gguf's dequantizers), so anything above this is a mismatch, not rounding
+BOUND = 1e-4
+
+
+def relative(got, want) -> float:
+    return float((got - want).abs().max() / (want.max() - want.min()))
+
+
+def ours(cfg, fam=None):
+    args = model_args(cfg.model)
+    model = build_model(args, cfg.model.seed)
+    load_into(model, cfg.model.checkpoint, fam or family(cfg.model.family))
+    return model
+
+
+def our_logits(model, ids):
+    with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():
+        return model.logits(model.hidden(model.embed(ids), torch.arange(len(ids))))
+
+
+def our_greedy(model, ids, n):
+    cache, out, pos = ReferenceCache(model.args.layer_kv()), [], 0
+    with reference_cache(cache), torch.no_grad():
+        step = ids
+        for _ in range(n):
+            logits = model.logits(model.hidden(model.embed(step), torch.arange(pos, pos + len(step)))[-1:])[0]
+            pos += len(step)
+            step = logits.argmax().reshape(1)
+            out.append(int(step))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    cfg = with_checkpoint(compose_config("model=smollm2_135m"), [])
+    check_config(cfg)
+    directory, name = os.path.split(cfg.model.checkpoint)
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return cfg, ours(cfg), hf, tok
+
+
+def test_smollm2_config_comes_from_the_file(smollm2):
+    cfg = smollm2[0]
+    got = {k: cfg.model[k] for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                                     "rope_base", "tie_embeddings")}
+    assert got == {"vocab_size": 49152, "dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64,
+                   "hidden_dim": 1536, "rope_base": 100000.0, "tie_embeddings": True}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_logits_and_greedy_match_transformers(smollm2, prompt):
+    _, model, hf, tok = smollm2
+    ids = tok(prompt, return_tensors="pt").input_ids[0]
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    assert relative(our_logits(model, ids), want) <= BOUND
+    seq = ids[None]
+    with torch.no_grad():  # transformers' greedy, past end-of-sequence tokens too
+        for _ in range(32):
+            seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], dim=1)
+    assert our_greedy(model, ids, 32) == seq[0, len(ids):].tolist()
+
+
+def test_smollm2_without_undoing_the_qk_permutation_disagrees(smollm2):
+    """The parity above can fail: llama.cpp's q/k row order left in place breaks RoPE."""
+    cfg, _, hf, tok = smollm2
+    unpermuted = type(FAMILIES["llama"])(**{**FAMILIES["llama"].__dict__, "gguf_permutes_qk": False})
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids[0]
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    assert relative(our_logits(ours(cfg, unpermuted), ids), want) > 1e-2
+
+
+# --- Hugging Face directories written by transformers ---
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+HF_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False, rope_theta=50000.0),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=False),
+}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def save_tiny(name: str, path: Path, shard: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = getattr(transformers, HF_CLASSES[name])(HF_CONFIGS[name]()).eval()
+    with torch.no_grad():  # norms and biases away from their init, so that a dropped one shows
+        for p_name, p in model.named_parameters():
+            if "norm" in p_name or "bias" in p_name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path, max_shard_size="50KB" if shard else "5GB")
+    return model
+
+
+@pytest.mark.parametrize("name", list(HF_CLASSES))
+def test_hf_directory_matches_transformers(tmp_path, name):
+    hf = save_tiny(name, tmp_path, shard=name == "llama")
+    if name == "llama":
+        assert (tmp_path / "model.safetensors.index.json").exists(), "one of them sharded"
+    cfg = with_checkpoint(compose_config(f"+model.checkpoint={tmp_path}"), [])
+    check_config(cfg)
+    assert cfg.model.family == name and cfg.model.qkv_bias == (name == "qwen2") and cfg.model.qk_norm == (name == "qwen3")
+    ids = torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    assert relative(our_logits(ours(cfg), ids), want) <= 1e-5
+
+
+# --- bad checkpoints: one line naming the file and the problem ---
+
+
+def _gguf(path: Path, arch="llama", dtype=None):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(10)
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), dtype=dtype or np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _pipeline(tmp_path, *args):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path / 'out'}", *args],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parent.parent)
+
+
+def test_bad_checkpoints_refused_in_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(_gguf(tmp_path / "whole.gguf").read_bytes()[:100])
+    cases = [
+        (tmp_path / "nope.gguf", "does not exist"),
+        (tmp_path / "empty", "no config.json"),
+        (_gguf(tmp_path / "gpt2.gguf", arch="gpt2"), "architecture 'gpt2' is not supported"),
+        (truncated, "is not a readable GGUF file"),
+    ]
+    for path, needle in cases:
+        proc = _pipeline(tmp_path, f"+model.checkpoint={path}")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: model.checkpoint={path}") and needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_tensor_type_and_bad_tensors(tmp_path):
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    cfg = with_checkpoint(compose_config(f"+model.checkpoint={_gguf(tmp_path / 'f64.gguf', dtype=np.float64)}"), [])
+    with pytest.raises(BuildError, match="token_embd.weight is of type F64"):
+        ours(cfg)
+    save_tiny("llama", tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    cfg = with_checkpoint(compose_config(f"+model.checkpoint={tmp_path / 'hf'}"), [])
+    for change, needle in ((lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), r"missing tensor layers.1.feed_forward.w3.weight"),
+                           (lambda w: w.update({"model.norm.weight": torch.ones(65)}), r"norm.weight has shape \(65,\), the model expects \(64,\)")):
+        broken = dict(weights)
+        change(broken)
+        save_file(broken, tmp_path / "hf" / "model.safetensors")
+        with pytest.raises(BuildError, match=needle):
+            ours(cfg)
+
+
+def test_override_contradicting_the_checkpoint(tmp_path):
+    save_tiny("qwen3", tmp_path)
+    with pytest.raises(ConfigError, match=r"model.n_layers=5 contradicts model.checkpoint=.*which has n_layers=2"):
+        with_checkpoint(compose_config(f"+model.checkpoint={tmp_path}", "model.n_layers=5"),
+                        [f"+model.checkpoint={tmp_path}", "model.n_layers=5"])
+    proc = _pipeline(tmp_path, f"model.checkpoint={tmp_path}", "model.family=llama")
+    assert proc.returncode == 2 and "model.family=llama contradicts" in proc.stderr and "family=qwen3" in proc.stderr
+
+
+def test_checkpoint_hash_is_in_the_build_key(tmp_path):
+    from pipeline.runner import build_key
+
+    save_tiny("qwen2", tmp_path)
+    cfg = with_checkpoint(compose_config(f"+model.checkpoint={tmp_path}"), [])
+    before = build_key(cfg)["checkpoint_sha256"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "note": 1}))
+    assert build_key(cfg)["checkpoint_sha256"] != before
+
+
+def test_artifact_from_a_checkpoint_matches_transformers(tmp_path):
+    """A Qwen3 directory -> a validated .pte; its logits through the session equal transformers'."""
+    from pipeline.runner import build
+    from pipeline.runtime.session import Session
+
+    hf = save_tiny("qwen3", tmp_path / "qwen3")
+    overrides = [f"+model.checkpoint={tmp_path / 'qwen3'}", "backend=portable", "kv.max_seqs=2", "kv.capacity=96",
+                 f"output_root={tmp_path / 'out'}"]
+    version = build(compose_config(*overrides), overrides)
+    assert json.loads((version / "validation.json").read_text())["passed"]
+    recorded = (version / ".hydra" / "config.yaml").read_text()
+    assert "head_dim: 24" in recorded and "qk_norm: true" in recorded and "family: qwen3" in recorded
+    session = Session(version)
+    gen = torch.Generator().manual_seed(7)
+    prompts = {"a": torch.randint(0, 300, (11,), generator=gen).tolist(), "b": torch.randint(0, 300, (5,), generator=gen).tolist()}
+    for seq_id in prompts:
+        session.add(seq_id)
+    got = session.step(prompts)
+    for seq_id, ids in prompts.items():
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0, -1]
+        assert relative(got[seq_id], want) <= 1e-5
+
+
+def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
+    """A checkpoint with SmolLM2's tokenizer (a tiny random Llama over its vocabulary): the artifact
+    carries the tokenizer, and four text prompts decoded together equal transformers' greedy text."""
+    from pipeline.runner import build
+    from pipeline.runtime.session import Session
+
+    tok = smollm2[3]
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": len(tok)}, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    overrides = [f"+model.checkpoint={tmp_path / 'ckpt'}", "backend=portable", "kv.max_seqs=4",
+                 "stages=[export,lower_kv,compile]", f"output_root={tmp_path / 'out'}"]
+    version = build(compose_config(*overrides), overrides)
+    assert json.loads((version / "manifest.json").read_text())["tokenizer"] == "tokenizer"
+    prompts = {f"p{i}": text for i, text in enumerate(PROMPTS + ["Hello"])}
+    got = Session(version).generate(prompts, max_new_tokens=12, stop_at_eos=False)
+    for seq_id, text in prompts.items():
+        seq = tok(text, return_tensors="pt").input_ids
+        n = seq.shape[1]
+        with torch.no_grad():
+            for _ in range(12):
+                seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], dim=1)
+        assert got[seq_id] == tok.decode(seq[0, n:], skip_special_tokens=True)
