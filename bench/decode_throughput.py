@@ -56,15 +56,15 @@ def measure(version: Path, seqs: int, context: int, steps: int) -> dict:
         step_times.append(time.perf_counter() - t0)
     # the method alone, on inputs of the same shape (one more position per sequence each call)
     emb = s.method("embed_text").execute([torch.full((seqs,), 11, dtype=torch.int64)])[0]
-    order = [(i, s.seqs[i], 1) for i in range(seqs)]
+    order = [(s.seqs[i], 1) for i in range(seqs)]
     for _ in range(steps):
-        buffers = s._step_buffers(order, seqs)
+        cells = s._take_cells(seqs) if s.layout == "cell" else []
+        buffers = s._step_buffers(order, cells)
         pos = torch.tensor([s.seqs[i].length for i in range(seqs)])
         t0 = time.perf_counter()
         decode.execute([emb, pos, *buffers])
         method_times.append(time.perf_counter() - t0)
-        for i in range(seqs):
-            s.seqs[i].length += 1
+        s._commit(order, cells)
     step, method = statistics.median(step_times), statistics.median(method_times)
     return {"step_ms": step * 1e3, "step_tok_s": seqs / step, "method_ms": method * 1e3, "method_tok_s": seqs / method}
 

@@ -61,7 +61,12 @@ class BackendConfig:
 class ValidateConfig:
     metric: str = "range"  # range: max|got - oracle| / oracle logit range; norm: ||got - oracle|| / ||oracle||
     tolerance: float = 1e-4  # bound on the metric, over every step of every sequence
-    prompt_lengths: list[int] = field(default_factory=lambda: [37, 9, 23, 50, 5])
+    prompt_lengths: list[int] = field(default_factory=lambda: [37, 9, 23, 50, 5])  # random token prompts
+    # an artifact with a tokenizer (built from a checkpoint) is driven with these instead, cycled;
+    # validation.json records them and the greedy continuations as text
+    prompts: list[str] = field(default_factory=lambda: [
+        "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+        "The three primary colors are", "Water boils at"])
     decode_steps: int = 40
     seed: int = 0
     # backend=cuda: how the GPU runs the lowered graphs (pipeline/runtime/aoti.py). inductor: torch.compile

@@ -73,21 +73,27 @@ def check_config(cfg: DictConfig) -> list:
     return plan
 
 
-def with_checkpoint(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """The config with the settings ``model.checkpoint`` implies; an override that contradicts
-    the checkpoint is an error naming both values."""
-    if not cfg.model.checkpoint:
-        return cfg
-    from pipeline.models.loaders import checkpoint_config
+def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """The config with the options of ``model.family`` and the settings ``model.checkpoint``
+    implies; an override that contradicts either is an error naming both values."""
+    from pipeline.models.families import family
 
-    family, implied = checkpoint_config(cfg.model.checkpoint)
     given = {o.lstrip("+").partition("=")[0] for o in overrides}
-    for key, value in {"family": family, **implied}.items():
-        if f"model.{key}" in given and cfg.model[key] != value:
-            raise ConfigError(f"model.{key}={cfg.model[key]} contradicts model.checkpoint={cfg.model.checkpoint}, "
-                              f"which has {key}={value}; drop the override")
+
+    def impose(settings: dict, source: str) -> None:
+        for key, value in settings.items():
+            if f"model.{key}" in given and cfg.model[key] != value:
+                raise ConfigError(f"model.{key}={cfg.model[key]} contradicts {source}, which has {key}={value}; "
+                                  "drop the override")
+        cfg.model.merge_with(settings)
+
     cfg = copy.deepcopy(cfg)
-    cfg.model.merge_with({"family": family, **implied})
+    if cfg.model.checkpoint:
+        from pipeline.models.loaders import checkpoint_config
+
+        name, implied = checkpoint_config(cfg.model.checkpoint)
+        impose({"family": name, **implied}, f"model.checkpoint={cfg.model.checkpoint}")
+    impose(family(cfg.model.family).options, f"model.family={cfg.model.family}")
     return cfg
 
 
@@ -167,7 +173,7 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
           exp_dir: Path | None = None) -> Path:
     """Check ``cfg``, run its stages and publish the next version of ``exp_dir`` (default
     ``<output_root>/<experiment_name>``); an identical existing version is reused."""
-    cfg = with_checkpoint(cfg, overrides or [])
+    cfg = resolve_model(cfg, overrides or [])
     plan = check_config(cfg)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
     key = build_key(cfg)

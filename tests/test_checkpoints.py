@@ -17,7 +17,7 @@ from pipeline.models.args import model_args
 from pipeline.models.families import FAMILIES, family
 from pipeline.models.loaders import load_into
 from pipeline.models.transformer import build_model
-from pipeline.runner import check_config, with_checkpoint
+from pipeline.runner import check_config, resolve_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,7 +57,7 @@ def our_greedy(model, ids, n):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    cfg = with_checkpoint(compose_config("model=smollm2_135m"), [])
+    cfg = resolve_model(compose_config("model=smollm2_135m"), [])
     check_config(cfg)
     directory, name = os.path.split(cfg.model.checkpoint)
     tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -125,7 +125,7 @@ def test_hf_directory_matches_transformers(tmp_path, name):
     hf = save_tiny(name, tmp_path, shard=name == "llama")
     if name == "llama":
         assert (tmp_path / "model.safetensors.index.json").exists(), "one of them sharded"
-    cfg = with_checkpoint(compose_config(f"+model.checkpoint={tmp_path}"), [])
+    cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path}"), [])
     check_config(cfg)
     assert cfg.model.family == name and cfg.model.qkv_bias == (name == "qwen2") and cfg.model.qk_norm == (name == "qwen3")
     ids = torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(4))
@@ -184,12 +184,12 @@ def test_unsupported_tensor_type_and_bad_tensors(tmp_path):
     import numpy as np
     from safetensors.torch import load_file, save_file
 
-    cfg = with_checkpoint(compose_config(f"+model.checkpoint={_gguf(tmp_path / 'f64.gguf', dtype=np.float64)}"), [])
+    cfg = resolve_model(compose_config(f"+model.checkpoint={_gguf(tmp_path / 'f64.gguf', dtype=np.float64)}"), [])
     with pytest.raises(BuildError, match="token_embd.weight is of type F64"):
         ours(cfg)
     save_tiny("llama", tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
-    cfg = with_checkpoint(compose_config(f"+model.checkpoint={tmp_path / 'hf'}"), [])
+    cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path / 'hf'}"), [])
     for change, needle in ((lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), r"missing tensor layers.1.feed_forward.w3.weight"),
                            (lambda w: w.update({"model.norm.weight": torch.ones(65)}), r"norm.weight has shape \(65,\), the model expects \(64,\)")):
         broken = dict(weights)
@@ -202,7 +202,7 @@ def test_unsupported_tensor_type_and_bad_tensors(tmp_path):
 def test_override_contradicting_the_checkpoint(tmp_path):
     save_tiny("qwen3", tmp_path)
     with pytest.raises(ConfigError, match=r"model.n_layers=5 contradicts model.checkpoint=.*which has n_layers=2"):
-        with_checkpoint(compose_config(f"+model.checkpoint={tmp_path}", "model.n_layers=5"),
+        resolve_model(compose_config(f"+model.checkpoint={tmp_path}", "model.n_layers=5"),
                         [f"+model.checkpoint={tmp_path}", "model.n_layers=5"])
     proc = _pipeline(tmp_path, f"model.checkpoint={tmp_path}", "model.family=llama")
     assert proc.returncode == 2 and "model.family=llama contradicts" in proc.stderr and "family=qwen3" in proc.stderr
@@ -212,7 +212,7 @@ def test_checkpoint_hash_is_in_the_build_key(tmp_path):
     from pipeline.runner import build_key
 
     save_tiny("qwen2", tmp_path)
-    cfg = with_checkpoint(compose_config(f"+model.checkpoint={tmp_path}"), [])
+    cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path}"), [])
     before = build_key(cfg)["checkpoint_sha256"]
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "note": 1}))
@@ -256,9 +256,12 @@ def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
     hf.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
     overrides = [f"+model.checkpoint={tmp_path / 'ckpt'}", "backend=portable", "kv.max_seqs=4",
-                 "stages=[export,lower_kv,compile]", f"output_root={tmp_path / 'out'}"]
+                 f"output_root={tmp_path / 'out'}"]
     version = build(compose_config(*overrides), overrides)
     assert json.loads((version / "manifest.json").read_text())["tokenizer"] == "tokenizer"
+    report = json.loads((version / "validation.json").read_text())  # the episode ran on text prompts
+    assert report["passed"] and report["text"]["seq0"]["prompt"] == "The capital of France is"
+    assert report["text"]["seq1"]["prompt"] == "def fibonacci(n):" and len(report["text"]["seq1"]["continuation"]) > 0
     prompts = {f"p{i}": text for i, text in enumerate(PROMPTS + ["Hello"])}
     got = Session(version).generate(prompts, max_new_tokens=12, stop_at_eos=False)
     for seq_id, text in prompts.items():

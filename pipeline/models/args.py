@@ -22,9 +22,20 @@ class ModelArgs:
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Muse Glimmer)
+    qk_norm_weight: bool = True  # false: the q/k norms have no learned scale (Muse Glimmer)
     sliding_window: int = 0  # keys a ring layer sees, counting the query itself
     layer_pattern: str = "F"  # repeated over layers: F = flat (global), R = ring (sliding window)
+    # --- Muse Glimmer's options ---
+    rope_interleaved: bool = False  # rotate adjacent pairs (2i, 2i+1) instead of halves
+    flat_layers_nope: bool = False  # flat (global) layers use no RoPE
+    attn_gate: bool = False  # attention output gated by sigmoid(x @ W_gate), per head and dim
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual adds
+    post_norm_eps: float = 1e-8
+    embed_norm: bool = False  # token embeddings RMS-normalised (no learned scale)
+    attn_scale: float = 0.0  # softmax scale; 0: 1 / sqrt(head_dim)
+    logit_multiplier: float = 1.0
+    logit_soft_cap: float = 0.0  # > 0: logits = cap * tanh(logits * multiplier / cap)
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
@@ -38,8 +49,9 @@ class ModelArgs:
         """Weights of ``models/transformer.py``'s Transformer with these settings."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attention = 2 * self.dim * q + 2 * self.dim * kv
-        attention += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        block = attention + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        attention += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * (self.qk_norm and self.qk_norm_weight)
+        attention += self.dim * q * self.attn_gate
+        block = attention + 3 * self.dim * self.hidden_dim + 2 * self.dim + 2 * self.dim * self.post_norms
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
 

@@ -24,6 +24,12 @@ FAMILIES = {f.name: f for f in (
     Family("llama", ("LlamaForCausalLM",), "llama", {"qkv_bias": False, "qk_norm": False}, gguf_permutes_qk=True),
     Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", {"qkv_bias": True, "qk_norm": False}),
     Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", {"qkv_bias": False, "qk_norm": True}),
+    # the model of the system this project grew from (executorch.examples.models.muse_glimmer):
+    # weightless q/k norms, sandwich norms, normalised embeddings, interleaved RoPE, no RoPE on its
+    # global (flat) layers; whether it has q/k norms and the output gate, and its scales, are the preset's
+    Family("muse_glimmer", (), "muse_glimmer", {
+        "qkv_bias": False, "qk_norm_weight": False, "post_norms": True, "embed_norm": True,
+        "rope_interleaved": True, "flat_layers_nope": True}),
 )}
 
 

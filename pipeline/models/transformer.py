@@ -21,22 +21,30 @@ def _f32(x: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = _f32(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return normed.to(x.dtype)
         return normed.to(x.dtype) * self.weight if x.dtype != torch.float32 else normed * self.weight
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [1, T, H, D]  cos/sin: [T, D/2]; rotate interleaved halves (Llama's rotate_half form)
-    x1, x2 = _f32(x).chunk(2, dim=-1)
+def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    # x: [1, T, H, D]  cos/sin: [T, D/2]; rotate halves (Llama's rotate_half form) or adjacent
+    # pairs (2i, 2i+1: llama.cpp's normal mode, Muse Glimmer)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    x32 = _f32(x)
+    if interleaved:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x32.chunk(2, dim=-1)
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -49,8 +57,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.qk_norm_weight) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.qk_norm_weight) if args.qk_norm else None
+        self.wg = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False) if args.attn_gate else None
+        layer = args.layer_kv()[layer_id]
+        self.use_rope = not (args.flat_layers_nope and layer.window == 0)
+        self.rope_interleaved = args.rope_interleaved
+        self.scale = args.attn_scale or default_scale(args.head_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
         _, n_tok, _ = x.shape
@@ -59,13 +72,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(1, n_tok, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if self.use_rope:
+            q, k = rope(q, cos, sin, self.rope_interleaved), rope(k, cos, sin, self.rope_interleaved)
         # q: [1, Hq, T, D]  k, v: [1, Hkv, T, D]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = torch.ops.kvcache.update_and_attend(
-            q, k, v, position.view(-1, 1), self.layer_id, default_scale(self.head_dim), q.dtype
+            q, k, v, position.view(-1, 1), self.layer_id, self.scale, q.dtype
         )
-        return self.wo(out.transpose(1, 2).reshape(1, n_tok, -1))
+        out = out.transpose(1, 2)  # [1, T, Hq, Dv]
+        if self.wg is not None:
+            out = torch.sigmoid(self.wg(x).view(1, n_tok, self.n_heads, self.head_dim)) * out
+        return self.wo(out.reshape(1, n_tok, -1))
 
 
 class FeedForward(nn.Module):
@@ -86,10 +103,13 @@ class Block(nn.Module):
         self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        # sandwich norms (Muse Glimmer): the branch outputs are normalised before the residual adds
+        self.post_attn_norm = RMSNorm(args.dim, args.post_norm_eps) if args.post_norms else nn.Identity()
+        self.post_ffn_norm = RMSNorm(args.dim, args.post_norm_eps) if args.post_norms else nn.Identity()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, position)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.post_attn_norm(self.attention(self.attention_norm(x), cos, sin, position))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Transformer(nn.Module):
@@ -97,6 +117,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.embed_norm = RMSNorm(args.dim, args.norm_eps, weight=False) if args.embed_norm else None
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -105,7 +126,8 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         # tokens: [T] -> [1, T, dim]
-        return self.tok_embeddings(tokens)[None]
+        x = self.tok_embeddings(tokens)[None]
+        return self.embed_norm(x) if self.embed_norm is not None else x
 
     def hidden(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         # embeddings: [1, T, dim]  positions: [T] -> normed hidden [T, dim]
@@ -119,7 +141,11 @@ class Transformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         # hidden: [R, dim] -> [R, vocab]
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return _f32(F.linear(hidden, weight))
+        logits = _f32(F.linear(hidden, weight))
+        a = self.args
+        if a.logit_soft_cap > 0:
+            return torch.tanh(logits * a.logit_multiplier / a.logit_soft_cap) * a.logit_soft_cap
+        return logits * a.logit_multiplier if a.logit_multiplier != 1.0 else logits
 
 
 def build_model(args: ModelArgs, seed: int) -> Transformer:

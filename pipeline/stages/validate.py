@@ -41,6 +41,8 @@ class _Script:
     next_token: int | None = None
     cache: ReferenceCache | None = None
     errors: list[float] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # the greedy tokens, the last one not fed
+    text: str | None = None  # the prompt as text (artifacts with a tokenizer)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor, metric: str = "range") -> float:
@@ -98,6 +100,8 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             else:
                 s.decoded += 1
             s.next_token = int(logits[seq_id].argmax())
+            if s.fed == len(s.prompt):
+                s.generated.append(s.next_token)
         for s in list(live):
             if s.fed == len(s.prompt) and s.decoded >= s.decode_steps:
                 session.release(s.seq_id)
@@ -147,15 +151,31 @@ def _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir
         yield Session(workdir, methods=server.runners), runtime
 
 
+def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) -> None:
+    """The episode's prompts as text (``validate.prompts``, cycled), tokenized by the artifact's tokenizer."""
+    for i, s in enumerate(scripts):
+        s.text = prompts[i % len(prompts)]
+        s.prompt = session.tokenizer(s.text).input_ids
+        end = len(s.prompt) + s.decode_steps
+        if session.max_length is not None and end > session.max_length:
+            raise ValidationFailed(f"validate.prompts[{i % len(prompts)}] is {len(s.prompt)} tokens; with "
+                                   f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
+
+
 def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
     model = inputs["model"]
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
     with _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
+        if session.manifest.get("tokenizer") and validate_cfg.prompts:
+            _text_prompts(scripts, list(validate_cfg.prompts), session)
         print(f"  episode: {len(scripts)} sequences through {session.layout} (max_seqs={session.max_seqs})", flush=True)
         stats = run_episode(session, model, scripts, kv_cfg.causal, validate_cfg.metric)
     worst = max(max(s.errors) for s in scripts)
+    if scripts[0].text is not None:
+        decode = session.tokenizer.decode
+        text = {s.seq_id: {"prompt": s.text, "continuation": decode(s.generated, skip_special_tokens=True)} for s in scripts}
     passed = worst <= validate_cfg.tolerance
     report = {
         "scenario": {
@@ -163,6 +183,7 @@ def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Pat
             "sequences": [{"id": s.seq_id, "prompt_tokens": len(s.prompt), "decoded": s.decoded} for s in scripts],
             **stats,
         },
+        **({"text": text} if scripts[0].text is not None else {}),
         "runtime": runtime,
         "metric": {"range": "max |logits - oracle| / (oracle logit range)",
                    "norm": "||logits - oracle|| / ||oracle||"}[validate_cfg.metric] + ", every step of every sequence",

@@ -1,0 +1,147 @@
+"""Muse Glimmer as a family of our decoder, against ExecuTorch's own eager MuseGlimmerModel
+(executorch.examples.models.muse_glimmer) with the same weights copied across."""
+
+import json
+import math
+
+import pytest
+import torch
+from executorch.examples.models.muse_glimmer.model.model import MuseGlimmerConfig, MuseGlimmerModel
+
+from conftest import compose_config
+from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.models.args import ModelArgs, model_args
+from pipeline.models.families import FAMILIES
+from pipeline.models.transformer import build_model
+from pipeline.runner import resolve_model
+
+CASES = {
+    "gate+qknorm, 3 SWA + 1 global": dict(n_layers=4, global_attn_cfg="[16,16,16,0]", every_n_layers_nope=4),
+    "no gate, SWA/global alternating": dict(n_layers=4, global_attn_cfg="[16,0]", every_n_layers_nope=2, use_attn_o_gate=False),
+    "no qk norm, 8 layers, window 8": dict(n_layers=8, global_attn_cfg="[8,8,8,0]", every_n_layers_nope=4, use_qk_norm=False),
+}
+
+
+def reference_config(**case) -> MuseGlimmerConfig:
+    return MuseGlimmerConfig(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=512, max_seq_len=128,
+                             fuse_qkv=False, fuse_gate_up=False, **case)
+
+
+def our_args(c: MuseGlimmerConfig) -> ModelArgs:
+    """The reference's config as our family's settings; NoPE layers must be its global ones."""
+    windows = [c.layer_window_size(i) for i in range(c.n_layers)]
+    assert [c.layer_use_rope(i) for i in range(c.n_layers)] == [w > 0 for w in windows]
+    args = ModelArgs(vocab_size=c.vocab_size, dim=c.dim, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+                     head_dim=c.head_dim, hidden_dim=c.ffn_dim, norm_eps=c.norm_eps, rope_base=c.rope_theta,
+                     tie_embeddings=False, qk_norm=c.use_qk_norm, attn_gate=c.use_attn_o_gate,
+                     sliding_window=max(windows), layer_pattern="".join("R" if w else "F" for w in windows),
+                     post_norm_eps=c.post_norm_eps, attn_scale=43.7840518911 / math.sqrt(c.head_dim) / math.sqrt(c.head_dim),
+                     logit_multiplier=c.output_multiplier, logit_soft_cap=c.output_soft_cap_temp)
+    for key, value in FAMILIES["muse_glimmer"].options.items():
+        setattr(args, key, value)
+    return args
+
+
+def names(n_layers: int) -> dict[str, str]:
+    """Reference parameter name -> ours."""
+    out = {"embed_tokens.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+    for i in range(n_layers):
+        r, o = f"layers.{i}.", f"layers.{i}."
+        out |= {r + "self_attn.qkv_proj_norm.weight": o + "attention_norm.weight", r + "mlp.norm.weight": o + "ffn_norm.weight",
+                r + "post_attn_norm.weight": o + "post_attn_norm.weight", r + "post_ffn_norm.weight": o + "post_ffn_norm.weight",
+                r + "mlp.gate_proj.weight": o + "feed_forward.w1.weight", r + "mlp.up_proj.weight": o + "feed_forward.w3.weight",
+                r + "mlp.down_proj.weight": o + "feed_forward.w2.weight", r + "self_attn.o_proj.weight": o + "attention.wo.weight"}
+        for p, q in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("og", "wg")):
+            out[r + f"self_attn.{p}_proj.weight"] = o + f"attention.{q}.weight"
+    return out
+
+
+def pair(config: MuseGlimmerConfig):
+    """A random reference (norms moved off 1, so that a dropped one shows) and our model with
+    its weights copied across."""
+    torch.manual_seed(0)
+    ref = MuseGlimmerModel(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    ours = build_model(our_args(config), 0)
+    theirs, mine = dict(ref.named_parameters()), dict(ours.named_parameters())
+    mapping = names(config.n_layers)
+    mapping = {r: o for r, o in mapping.items() if r in theirs}  # no gate: no og_proj
+    assert set(mapping) == set(theirs) and set(mapping.values()) == set(mine), "every weight has a counterpart"
+    with torch.no_grad():
+        for r_name, o_name in mapping.items():
+            mine[o_name].copy_(theirs[r_name])
+    return ref, ours
+
+
+def ref_logits(ref, tokens, start):
+    # the reference's embed_text casts to bf16; the same embedding and norm in fp32
+    emb = ref.embed_tokens(tokens[None])
+    if ref.normalize_tok_embeddings:
+        emb = ref.tok_norm(emb)
+    return ref.prefill_from_embeds(emb, torch.arange(start, start + len(tokens)))[0]
+
+
+def relative(got, want) -> float:
+    return float((got - want).abs().max() / (want.max() - want.min()))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_eager_matches_executorchs_model(case):
+    """Prefill (one chunk from position 0) and decodes past the sliding window."""
+    config = reference_config(**CASES[case])
+    ref, ours = pair(config)
+    cache = ReferenceCache(ours.args.layer_kv())
+    gen = torch.Generator().manual_seed(1)
+    tokens, start = torch.randint(0, 512, (12,), generator=gen), 0
+    with torch.no_grad(), reference_cache(cache):
+        for _ in range(14):  # 12 + 13 = 25 positions: every window slides
+            want = ref_logits(ref, tokens, start)
+            got = ours.logits(ours.hidden(ours.embed(tokens), torch.arange(start, start + len(tokens))))
+            assert relative(got, want) <= 1e-5, (case, start)
+            start += len(tokens)
+            tokens = want[-1].argmax().reshape(1)
+
+
+def test_comparison_can_fail():
+    """The same check sees a wrong option: halves rotated instead of adjacent pairs."""
+    config = reference_config(**CASES["gate+qknorm, 3 SWA + 1 global"])
+    ref, ours = pair(config)
+    for layer in ours.layers:
+        layer.attention.rope_interleaved = False
+    tokens = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), reference_cache(ReferenceCache(ours.args.layer_kv())):
+        got = ours.logits(ours.hidden(ours.embed(tokens), torch.arange(12)))
+        assert relative(got, ref_logits(ref, tokens, 0)) > 1e-3
+
+
+LAYOUTS = {"sequence": (), "batched-sequence": ("kv.max_seqs=3",), "cell": ("kv=cell", "kv.max_seqs=3")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_preset_builds_with_every_layout(build_dir, layout):
+    """muse_glimmer_tiny builds and validates with each KV layout; the .pte equals ExecuTorch's model."""
+    from pipeline.runtime.session import Session
+
+    overrides = ("model=muse_glimmer_tiny", "backend=portable", *LAYOUTS[layout], f"experiment_name=muse_{layout}")
+    version = build_dir(*overrides)
+    report = json.loads((version / "validation.json").read_text())
+    assert report["passed"] and report["scenario"]["layout"] == layout
+    cfg = resolve_model(compose_config(*overrides), [])
+    ours = build_model(model_args(cfg.model), cfg.model.seed)  # the build's weights, from the preset's seed
+    config = reference_config(n_layers=4, global_attn_cfg="[16,16,16,0]", every_n_layers_nope=4)
+    torch.manual_seed(0)
+    ref = MuseGlimmerModel(config).eval()
+    theirs, mine = dict(ref.named_parameters()), dict(ours.named_parameters())
+    with torch.no_grad():
+        for r_name, o_name in names(4).items():
+            theirs[r_name].copy_(mine[o_name])
+    session = Session(version)
+    session.add("a")
+    tokens = torch.randint(0, 512, (10,), generator=torch.Generator().manual_seed(2))
+    got = session.step({"a": tokens.tolist()})["a"]
+    with torch.no_grad():
+        want = ref_logits(ref, tokens, 0)[-1]
+    assert relative(got, want) <= 1e-4
