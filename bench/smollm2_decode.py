@@ -33,7 +33,7 @@ def ours(version: Path, seqs: int, context: list[int], steps: int) -> float:
         s.add(i)
         for start in range(0, len(context), s.max_step_tokens):
             logits = s.step({i: context[start: start + s.max_step_tokens]})
-    token = int(logits[0].argmax())
+    token = int(next(iter(logits.values())).argmax())
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

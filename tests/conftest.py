@@ -1,5 +1,6 @@
 """Fixtures compose the real config tree (conf/) and build real artifacts once per session."""
 
+import os
 import warnings
 from pathlib import Path
 
@@ -37,3 +38,12 @@ def build_dir(tmp_path_factory):
 # Layouts the layout tests build; portable compiles fastest (no delegate partitioning).
 BATCHED = ("kv=sequence", "kv.max_seqs=4", "backend=portable", "experiment_name=batched4")
 CELL = ("kv=cell", "kv.max_seqs=3", "backend=portable", "experiment_name=cell3")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("RUN_SLOW"):
+        return
+    skip = pytest.mark.skip(reason="slow (a real model's build): RUN_SLOW=1 runs it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

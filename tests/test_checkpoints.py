@@ -271,3 +271,107 @@ def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
             for _ in range(12):
                 seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], dim=1)
         assert got[seq_id] == tok.decode(seq[0, n:], skip_special_tokens=True)
+
+
+# --- GGUF files of every tensor type the gguf package can write ---
+
+# max |dequantized - original| relative to max |original|: the rounding of each format
+GGUF_TYPES = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_1": 1e-1, "Q4_0": 1.5e-1}
+
+
+def write_llama_gguf(path: Path, model, qtype: str) -> None:
+    """Our model as llama.cpp's converter writes it: its names, q/k rows permuted, one tensor type."""
+    import gguf
+    import numpy as np
+
+    from pipeline.models.loaders.gguf import NAMES
+
+    a = model.args
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(a.n_layers)
+    w.add_embedding_length(a.dim)
+    w.add_feed_forward_length(a.hidden_dim)
+    w.add_head_count(a.n_heads)
+    w.add_head_count_kv(a.n_kv_heads)
+    w.add_layer_norm_rms_eps(a.norm_eps)
+    w.add_rope_freq_base(a.rope_base)
+    w.add_vocab_size(a.vocab_size)
+    ours_to_gguf = {}
+    for pattern, ours in NAMES:
+        for i in range(a.n_layers):
+            gguf_name = pattern.replace(r"(\d+)", str(i)).replace(r"(weight|bias)", "weight").replace("\\", "")
+            ours_to_gguf[ours.format(i, "weight") if "{}" in ours else ours] = gguf_name
+    qt = gguf.GGMLQuantizationType[qtype]
+    for name, tensor in model.state_dict().items():
+        values = tensor.numpy()
+        if name.endswith(("wq.weight", "wk.weight")):  # llama.cpp's permute: halves -> adjacent pairs
+            heads = a.n_heads if name.endswith("wq.weight") else a.n_kv_heads
+            values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(values.shape)
+        kind = qt if values.ndim == 2 else gguf.GGMLQuantizationType.F32  # norms stay F32, as llama.cpp keeps them
+        data = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), kind)
+        w.add_tensor(ours_to_gguf[name], data, raw_shape=data.shape if kind == gguf.GGMLQuantizationType.F32 else None,
+                     raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_tensor_types_round_trip(tmp_path, qtype):
+    args = model_args(compose_config("model=tiny_flat", "model.hidden_dim=256", "model.dim=64").model)
+    source = build_model(args, 3)
+    write_llama_gguf(tmp_path / f"tiny-{qtype}.gguf", source, qtype)
+    cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path / f'tiny-{qtype}.gguf'}"), [])
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.tie_embeddings) == (64, 2, False)
+    loaded = ours(cfg)
+    for name, want in source.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert float((got - want).abs().max()) <= GGUF_TYPES[qtype] * float(want.abs().max()), (qtype, name)
+    if qtype == "F32":  # exact weights: the same logits, so the q/k permutation was undone
+        ids = torch.arange(9)
+        assert relative(our_logits(loaded, ids), our_logits(source, ids)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_smollm2_artifact_matches_transformers(smollm2, tmp_path):
+    """The SmolLM2 .pte (kv.max_seqs=4) against transformers: prompt logits and 32 greedy tokens,
+    one sequence alone and the same prompts as four sequences of one batch. Building takes about
+    13 minutes here: SMOLLM2_ARTIFACT=<version dir> reuses a build of model=smollm2_135m kv.max_seqs=4."""
+    from pipeline.runner import build
+    from pipeline.runtime.session import Session
+
+    _, _, hf, tok = smollm2
+    version = os.environ.get("SMOLLM2_ARTIFACT")
+    if not version:
+        overrides = ["model=smollm2_135m", "kv.max_seqs=4", "stages=[export,lower_kv,compile]", f"output_root={tmp_path}"]
+        version = build(compose_config(*overrides), overrides)
+    session = Session(version)
+    assert session.max_seqs == 4
+    prompts = {f"p{i}": p for i, p in enumerate(PROMPTS + ["The three primary colors are"])}
+    want = {}
+    for seq_id, text in prompts.items():
+        seq = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            first = hf(seq).logits[0, -1]
+            n = seq.shape[1]
+            for _ in range(32):
+                seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], dim=1)
+        want[seq_id] = (first, seq[0, n:].tolist())
+    for group in ([["p0"]], [list(prompts)]):  # solo, then all four in one batch
+        for ids in group:
+            for seq_id in ids:
+                session.add(seq_id)
+            logits = {s: session.step({s: tok(prompts[s]).input_ids})[s] for s in ids}  # prefills, then decodes together
+            for seq_id in ids:
+                assert relative(logits[seq_id], want[seq_id][0]) <= BOUND
+            tokens = {s: [int(logits[s].argmax())] for s in ids}
+            for _ in range(31):
+                step = session.step({s: tokens[s][-1:] for s in ids})
+                for s in ids:
+                    tokens[s].append(int(step[s].argmax()))
+            for seq_id in ids:
+                assert tokens[seq_id] == want[seq_id][1], seq_id
+                session.release(seq_id)
+    text = session.generate(prompts, max_new_tokens=32, stop_at_eos=False)
+    assert text["p0"] == tok.decode(want["p0"][1], skip_special_tokens=True)
