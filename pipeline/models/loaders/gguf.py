@@ -1,11 +1,11 @@
 """GGUF files (llama.cpp's format), read with the ``gguf`` package: metadata -> config,
 tensors dequantized by the package's own dequantizers, llama.cpp's q/k row order undone."""
 
-import re
 from pathlib import Path
 
 from pipeline.errors import BuildError, ConfigError
 from pipeline.models.families import family_of
+from pipeline.models.loaders.names import rename
 
 # tensor types read (the gguf package dequantizes each of them)
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -29,10 +29,7 @@ NAMES = [
 
 
 def our_name(name: str) -> str | None:
-    for pattern, ours in NAMES:
-        if m := re.fullmatch(pattern, name):
-            return ours.format(*m.groups())
-    return None
+    return rename(NAMES, name)
 
 
 def _reader(path: Path):

@@ -2,11 +2,11 @@
 ``model.safetensors.index.json``), read with the ``safetensors`` library."""
 
 import json
-import re
 from pathlib import Path
 
 from pipeline.errors import BuildError, ConfigError
 from pipeline.models.families import family_of
+from pipeline.models.loaders.names import rename
 
 # Hugging Face tensor name -> ours ({i}: layer)
 NAMES = [
@@ -28,10 +28,7 @@ NAMES = [
 
 
 def our_name(name: str) -> str | None:
-    for pattern, ours in NAMES:
-        if m := re.fullmatch(pattern, name):
-            return ours.format(*m.groups())
-    return None
+    return rename(NAMES, name)
 
 
 def read_config(path: Path) -> tuple[str, dict]:
