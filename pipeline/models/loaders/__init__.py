@@ -59,14 +59,10 @@ def load_into(model, path: str, family) -> None:
 
     weights = read_weights(path, model.args, family)
     want = model.state_dict()
-    missing = sorted(set(want) - set(weights))
-    extra = sorted(set(weights) - set(want))
-    if missing or extra:
-        raise BuildError(f"model.checkpoint={path}: " + "; ".join(
-            ([f"missing tensor {missing[0]} (shape {tuple(want[missing[0]].shape)})" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")]
-             if missing else []) +
-            ([f"unexpected tensor {extra[0]} (shape {tuple(weights[extra[0]].shape)})" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")]
-             if extra else [])))
+    problems = [_listed("missing tensor", sorted(set(want) - set(weights)), want),
+                _listed("unexpected tensor", sorted(set(weights) - set(want)), weights)]
+    if any(problems):
+        raise BuildError(f"model.checkpoint={path}: " + "; ".join(p for p in problems if p))
     for name, tensor in weights.items():
         if tuple(tensor.shape) != tuple(want[name].shape):
             raise BuildError(f"model.checkpoint={path}: tensor {name} has shape {tuple(tensor.shape)}, "
@@ -74,6 +70,14 @@ def load_into(model, path: str, family) -> None:
     with torch.no_grad():
         for name, tensor in weights.items():
             want[name].copy_(tensor)
+
+
+def _listed(what: str, names: list[str], tensors: dict) -> str:
+    """'missing tensor a (shape (2, 3)) and 4 more', or '' for none."""
+    if not names:
+        return ""
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return f"{what} {names[0]} (shape {tuple(tensors[names[0]].shape)}){more}"
 
 
 def content_hash(path: str) -> str:
