@@ -8,6 +8,7 @@ failed one is kept under ``.failed/`` to inspect). An existing version built
 from the same config, sources and tools is reused instead of rebuilt.
 """
 
+import contextlib
 import copy
 import fcntl
 import hashlib
@@ -16,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -266,7 +268,8 @@ def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cf
         print(f"[{i}/{len(plan)}] {stage.name}", flush=True)
         start = time.perf_counter()
         inputs = {name: artifacts[name] for name in stage.needs}
-        outputs = stage.load()(*(cfg[s] for s in stage.sections), inputs, work)
+        with _heartbeat(stage.name):
+            outputs = stage.load()(*(cfg[s] for s in stage.sections), inputs, work)
         timings[stage.name] = round(time.perf_counter() - start, 3)
         print(f"      {stage.name} done in {timings[stage.name]:.1f} s", flush=True)
         artifacts.update(outputs)
@@ -288,6 +291,25 @@ def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cf
         record["validation_passed"] = artifacts["validation"]["passed"]
     (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+@contextlib.contextmanager
+def _heartbeat(name: str, every: float = 60.0):
+    """A line every ``every`` seconds while a stage runs: a real model's compile takes minutes
+    inside ExecuTorch with nothing else to say."""
+    stop, start = threading.Event(), time.perf_counter()
+
+    def beat():
+        while not stop.wait(every):
+            print(f"      {name}: still running, {time.perf_counter() - start:.0f} s", flush=True)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _input_hashes(artifacts: dict) -> dict:

@@ -220,3 +220,16 @@ def test_sweep_jobs_get_their_own_directories(tmp_path):
         assert f"max_seqs: {max_seqs}" in config
     assert len(list((tmp_path / "out" / "multirun").glob("*/multirun.yaml"))) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_long_stage_shows_signs_of_life(capsys):
+    import time
+
+    from pipeline.runner import _heartbeat
+
+    with _heartbeat("compile", every=0.05):
+        time.sleep(0.3)
+    out = capsys.readouterr().out
+    assert "compile: still running, 0 s" in out and out.count("still running") >= 3
+    time.sleep(0.2)
+    assert "still running" not in capsys.readouterr().out, "the heartbeat stops with the stage"

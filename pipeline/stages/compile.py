@@ -66,6 +66,10 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
         # the CUDA backend's AOTInductor graphs hold ops outside the Edge dialect (the Triton kernel)
         compile_config=EdgeCompileConfig(_check_ir_validity=backend != "cuda"),
     )
+    for name in programs:
+        graph = edge.exported_program(name).graph
+        delegates = sum(1 for n in graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
+        print(f"  {name}: {delegates} {backend} partition{'s' * (delegates != 1)}", flush=True)
     print("  to_executorch", flush=True)
     et = edge.to_executorch(ExecutorchBackendConfig(
         # CPU backends: the KV stores are mutable buffers of the program, shared by all methods.
