@@ -24,13 +24,14 @@ def fail(message: str) -> None:
 
 def overrides_of(argv: list[str]) -> list[str]:
     """The ``key=value`` overrides of a command line, without Hydra's flags and their values."""
-    out, skip = [], False
+    out, flag = [], None  # flag: "value" or "optional" when the next word may be a flag's value
     for arg in argv:
-        if skip:
-            skip = False
+        if flag == "value" or (flag == "optional" and "=" not in arg and not arg.startswith("-")):
+            flag = None  # the flag's value (--info's is optional)
         elif arg.startswith("-") and not arg.startswith(("~", "+")):
-            skip = arg in VALUE_FLAGS and arg not in ("--info", "-i")
+            flag = ("optional" if arg in ("--info", "-i") else "value") if arg in VALUE_FLAGS else None
         else:
+            flag = None
             out.append(arg)
     return out
 
