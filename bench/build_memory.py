@@ -34,10 +34,11 @@ def estimate(overrides) -> dict:
     from pipeline.feasibility import memory_estimate
     from pipeline.kv.layouts import build_layout
     from pipeline.models.args import model_args
+    from pipeline.runner import resolve_model
 
     register()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
+        cfg = resolve_model(compose("config", overrides=list(overrides)), list(overrides))
     args = model_args(cfg.model)
     return memory_estimate(build_layout(cfg.kv, args), args, cfg.model.dtype)
 
