@@ -43,6 +43,7 @@ def check_config(cfg: DictConfig) -> list:
     if unknown := unknown_settings(cfg):
         raise ConfigError(unknown[0])
     plan = check_order(list(cfg.stages))
+    stages = {s.name for s in plan}
     family(cfg.model.family)
     if cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype={cfg.model.dtype} is not a supported dtype; choose one of {', '.join(DTYPES)}")
@@ -60,11 +61,11 @@ def check_config(cfg: DictConfig) -> list:
     args = model_args(cfg.model)
     check_model(args)
     layout = build_layout(cfg.kv, args)
-    if "validate" in {s.name for s in plan}:
+    if "validate" in stages:
         check_episode(cfg.validate, layout)
-    if "lower_kv" in {s.name for s in plan}:  # the KV stores exist from lower_kv on
+    if "lower_kv" in stages:  # the KV stores exist from lower_kv on
         check_memory(layout, args, cfg.model.dtype, cfg.memory_budget_gb)
-    needs_gpu = {"compile", "validate"} & {s.name for s in plan}
+    needs_gpu = {"compile", "validate"} & stages
     if cfg.backend.name == "cuda" and needs_gpu:
         import torch
 

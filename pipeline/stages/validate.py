@@ -15,7 +15,6 @@ import contextlib
 import copy
 import functools
 import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,9 +117,9 @@ def backend_graphs(model_cfg, kv_cfg, backend_cfg) -> dict:
     from pipeline.stages.compile import backend_programs
 
     model_cfg, kv_cfg, backend_cfg = (OmegaConf.create(c) for c in (model_cfg, kv_cfg, backend_cfg))
-    with tempfile.TemporaryDirectory() as tmp:
-        exported = export.run(model_cfg, kv_cfg, {}, Path(tmp))
-        lowered = lower_kv.run(kv_cfg, backend_cfg, exported, Path(tmp))
+    # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
+    exported = export.run(model_cfg, kv_cfg, {}, None)
+    lowered = lower_kv.run(kv_cfg, backend_cfg, exported, None)
     return backend_programs(lowered["lowered"], backend_cfg.name)
 
 
