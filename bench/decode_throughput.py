@@ -3,7 +3,7 @@
 For S in --seqs and each layout: build (or reuse) `kv=<layout> kv.max_seqs=S`, prefill S
 sequences to --context tokens, then time decode steps of one token per sequence.
 `session step` is the whole Python serving step (embed_text + decode + step buffers);
-`method` is decode_from_embedding.execute alone on the same inputs.
+`method` is forward_from_embeddings.execute alone on the same inputs.
 
     python bench/decode_throughput.py [--seqs 1 2 4 8] [--layouts sequence cell] [--context 64]
 """
@@ -49,7 +49,8 @@ def measure(version: Path, seqs: int, context: int, steps: int) -> dict:
         for start in range(0, context, s.max_step_tokens):
             s.step({i: [7] * min(s.max_step_tokens, context - start)})
     step_times, method_times = [], []
-    decode = s.method("decode_from_embedding")
+    decode = s.method("forward_from_embeddings")
+    rows = torch.arange(seqs)
     for _ in range(steps):
         t0 = time.perf_counter()
         s.step({i: [11] for i in range(seqs)})
@@ -62,7 +63,7 @@ def measure(version: Path, seqs: int, context: int, steps: int) -> dict:
         buffers = s._step_buffers(order, cells)
         pos = torch.tensor([s.seqs[i].length for i in range(seqs)])
         t0 = time.perf_counter()
-        decode.execute([emb, pos, *buffers])
+        decode.execute([emb, pos, rows, *buffers])
         method_times.append(time.perf_counter() - t0)
         s._commit(order, cells)
     step, method = statistics.median(step_times), statistics.median(method_times)

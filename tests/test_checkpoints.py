@@ -273,10 +273,53 @@ def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
         assert got[seq_id] == tok.decode(seq[0, n:], skip_special_tokens=True)
 
 
-# --- GGUF files of every tensor type the gguf package can write ---
+# --- GGUF files in every tensor type the loader is held to (F32 ... Q4_1, Q4_K, Q6_K) ---
 
 # max |dequantized - original| relative to max |original|: the rounding of each format
-GGUF_TYPES = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_1": 1e-1, "Q4_0": 1.5e-1}
+GGUF_TYPES = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_1": 1e-1, "Q4_0": 1.5e-1,
+              "Q6_K": 3e-2, "Q4_K": 8e-2}
+
+
+def quantize_k(values, qtype: str):
+    """Q4_K or Q6_K blocks of float rows (length a multiple of 256), packed as ggml lays them out.
+
+    The gguf package dequantizes K-quants but cannot quantize them; this plain round-to-nearest
+    quantizer (no search for the best scales, unlike llama.cpp's) writes the bytes from ggml's block
+    layout (ggml-common.h: block_q4_K, block_q6_K) so that the loader's reading of them, through the
+    package's dequantizers, is tested against the original floats. A wrong packing here would show
+    as errors near the weights' magnitude, far above the bounds of GGUF_TYPES."""
+    import numpy as np
+
+    rows = values.reshape(-1, 256).astype(np.float32)
+    n = rows.shape[0]
+    if qtype == "Q6_K":  # 16 sub-blocks of 16: x = d * scale[j] * (q - 32), q in [0, 64)
+        sub = rows.reshape(n, 16, 16)
+        sub_scale = np.abs(sub).max(-1) / 31
+        d = np.maximum(np.abs(sub_scale).max(-1), 1e-12) / 127
+        d16 = d.astype(np.float16)
+        scales = np.clip(np.round(sub_scale / d16.astype(np.float32)[:, None]), -128, 127).astype(np.int8)
+        step = d16.astype(np.float32)[:, None, None] * scales[..., None]
+        q = np.clip(np.round(sub / np.where(step == 0, 1, step)) + 32, 0, 63).astype(np.uint8).reshape(n, 256)
+        low, high = (q & 0xF).reshape(n, 2, 2, 64), (q >> 4).reshape(n, 2, 4, 32)
+        ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+        qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
+        blocks = [ql, qh, scales.view(np.uint8), d16.reshape(n, 1).view(np.uint8)]
+    else:  # Q4_K: 8 sub-blocks of 32: x = d * sc[j] * q - dmin * m[j], q in [0, 16), 6-bit sc and m
+        sub = rows.reshape(n, 8, 32)
+        low = np.minimum(sub.min(-1), 0)
+        sub_scale, offset = (sub.max(-1) - low) / 15, -low
+        d = (np.maximum(sub_scale.max(-1), 1e-12) / 63).astype(np.float16)
+        dmin = (np.maximum(offset.max(-1), 1e-12) / 63).astype(np.float16)
+        sc = np.clip(np.round(sub_scale / d.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+        m = np.clip(np.round(offset / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+        step = d.astype(np.float32)[:, None, None] * sc[..., None]
+        shifted = sub + dmin.astype(np.float32)[:, None, None] * m[..., None]
+        q = np.clip(np.round(shifted / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
+        qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+        packed = np.concatenate([  # bytes 0-3: sc[0:4] + top bits of sc[4:8]; 4-7: the same for m; 8-11: low nibbles
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6), (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], axis=1)
+        blocks = [d.reshape(n, 1).view(np.uint8), dmin.reshape(n, 1).view(np.uint8), packed, qs]
+    return np.concatenate(blocks, axis=1).reshape(*values.shape[:-1], -1)
 
 
 def write_llama_gguf(path: Path, model, qtype: str) -> None:
@@ -308,7 +351,8 @@ def write_llama_gguf(path: Path, model, qtype: str) -> None:
             heads = a.n_heads if name.endswith("wq.weight") else a.n_kv_heads
             values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(values.shape)
         kind = qt if values.ndim == 2 else gguf.GGMLQuantizationType.F32  # norms stay F32, as llama.cpp keeps them
-        data = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), kind)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        data = quantize_k(values, qtype) if kind.name in ("Q4_K", "Q6_K") else gguf.quants.quantize(values, kind)
         w.add_tensor(ours_to_gguf[name], data, raw_shape=data.shape if kind == gguf.GGMLQuantizationType.F32 else None,
                      raw_dtype=kind)
     w.write_header_to_file()
@@ -319,11 +363,12 @@ def write_llama_gguf(path: Path, model, qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
 def test_gguf_tensor_types_round_trip(tmp_path, qtype):
-    args = model_args(compose_config("model=tiny_flat", "model.hidden_dim=256", "model.dim=64").model)
+    dim = 256 if qtype.endswith("_K") else 64  # K-quant rows are whole super-blocks of 256
+    args = model_args(compose_config("model=tiny_flat", "model.hidden_dim=256", f"model.dim={dim}").model)
     source = build_model(args, 3)
     write_llama_gguf(tmp_path / f"tiny-{qtype}.gguf", source, qtype)
     cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path / f'tiny-{qtype}.gguf'}"), [])
-    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.tie_embeddings) == (64, 2, False)
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.tie_embeddings) == (dim, 2, False)
     loaded = ours(cfg)
     for name, want in source.state_dict().items():
         got = loaded.state_dict()[name]

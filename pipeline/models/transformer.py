@@ -181,13 +181,3 @@ class ForwardFromEmbeddings(nn.Module):
     def forward(self, embeddings: Tensor, positions: Tensor, logit_rows: Tensor) -> Tensor:
         return self.model.logits(self.model.hidden(embeddings, positions)[logit_rows])
 
-
-class DecodeFromEmbedding(nn.Module):
-    """One token per sequence; logits for every token."""
-
-    def __init__(self, model: Transformer):
-        super().__init__()
-        self.model = model
-
-    def forward(self, embeddings: Tensor, positions: Tensor) -> Tensor:
-        return self.model.logits(self.model.hidden(embeddings, positions))

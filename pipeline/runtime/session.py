@@ -146,11 +146,8 @@ class Session:
                              dtype=torch.int64)
         try:
             embeddings = self.method("embed_text").execute([token_t])[0]
-            if decode:
-                logits = self.method("decode_from_embedding").execute([embeddings, pos_t, *step_buffers])[0]
-            else:
-                last_rows = torch.tensor(list(_cumulative_last([len(toks) for *_, toks in order])), dtype=torch.int64)
-                logits = self.method("forward_from_embeddings").execute([embeddings, pos_t, last_rows, *step_buffers])[0]
+            last_rows = torch.tensor(list(_cumulative_last([len(toks) for *_, toks in order])), dtype=torch.int64)
+            logits = self.method("forward_from_embeddings").execute([embeddings, pos_t, last_rows, *step_buffers])[0]
         except Exception as err:
             ids = ", ".join(repr(seq_id) for seq_id, *_ in order)
             raise SessionError(f"the program failed on the step of sequences {ids} ({err}); "

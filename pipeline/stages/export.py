@@ -14,7 +14,7 @@ from pipeline.models.args import ModelArgs, model_args
 from pipeline.models.families import family
 from pipeline.models.loaders import load_into
 from pipeline.models.tokenizer import save_tokenizer
-from pipeline.models.transformer import DecodeFromEmbedding, EmbedText, ForwardFromEmbeddings, build_model
+from pipeline.models.transformer import EmbedText, ForwardFromEmbeddings, build_model
 from pipeline.passes.lower_offgraph_kv import MethodInputs
 
 
@@ -24,19 +24,17 @@ def _dim(name: str, upper: int):
 
 
 def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int, dtype=torch.float32) -> dict[str, MethodInputs]:
-    n_tokens, n_seqs = _dim("n_tokens", max_step_tokens), _dim("n_seqs", max_seqs)
-    n_embed = _dim("n_embed", max(max_step_tokens, max_seqs))
-    step, width = max_step_tokens, max_seqs  # examples at the upper bounds
-    embeddings = torch.zeros(1, step, args.dim, dtype=dtype)
+    # one step method serves prefill chunks (up to max_step_tokens) and decodes (one token of each
+    # of up to max_seqs sequences): a second, decode-only method would be the same graph compiled
+    # twice, doubling the compile stage's time and memory for no speed (the logit_rows gather is all
+    # that differs)
+    width = max(max_step_tokens, max_seqs)
+    n_tokens, n_seqs = _dim("n_tokens", width), _dim("n_seqs", max_seqs)
     return {
-        # embed_text serves both: a prefill chunk, or one token of every sequence for a decode
-        "embed_text": MethodInputs((torch.zeros(step, dtype=torch.int64),), ({0: n_embed},), n_embed),
+        "embed_text": MethodInputs((torch.zeros(width, dtype=torch.int64),), ({0: n_tokens},), n_tokens),
         "forward_from_embeddings": MethodInputs(
-            (embeddings, torch.arange(step), torch.arange(width)),
+            (torch.zeros(1, width, args.dim, dtype=dtype), torch.arange(width), torch.arange(max_seqs)),
             ({1: n_tokens}, {0: n_tokens}, {0: n_seqs}), n_tokens),
-        "decode_from_embedding": MethodInputs(
-            (torch.zeros(1, width, args.dim, dtype=dtype), torch.arange(width)),
-            ({1: n_seqs}, {0: n_seqs}), n_seqs),
     }
 
 
@@ -54,7 +52,6 @@ def run(model_cfg: ModelConfig, kv_cfg, inputs: dict, workdir) -> dict:
     views = {
         "embed_text": EmbedText(model),
         "forward_from_embeddings": ForwardFromEmbeddings(model),
-        "decode_from_embedding": DecodeFromEmbedding(model),
     }
     exported = {}
     for name, spec in method_inputs(args, kv_cfg.max_step_tokens, kv_cfg.max_seqs, dtype).items():

@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp's format), read with the ``gguf`` package: metadata -> config,
 tensors dequantized by the package's own dequantizers, llama.cpp's q/k row order undone."""
 
+import re
 from pathlib import Path
 
 from pipeline.errors import BuildError, ConfigError
@@ -25,7 +26,23 @@ NAMES = [
     (r"blk\.(\d+)\.ffn_gate\.weight", "layers.{}.feed_forward.w1.weight"),
     (r"blk\.(\d+)\.ffn_up\.weight", "layers.{}.feed_forward.w3.weight"),
     (r"blk\.(\d+)\.ffn_down\.weight", "layers.{}.feed_forward.w2.weight"),
+    # Muse Glimmer (the names of executorch.examples.models.muse_glimmer.loaders.checkpoint_loader)
+    (r"blk\.(\d+)\.attn_(?:output_gate|gate)\.weight", "layers.{}.attention.wg.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{}.post_attn_norm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "layers.{}.post_ffn_norm.weight"),
 ]
+
+# Tensors some converters write for parameters our model does not have because they are constant:
+# llama.cpp's RoPE frequency factors, and the q/k norms of a model with qk_norm_weight=False
+# (Muse Glimmer's GGUFs carry its weightless norms as ones). Read, checked to be ones, dropped.
+ONES = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_[qk]_norm\.weight")
+
+# metadata beyond llama's, where the architecture has it (llama.cpp's key names; the last is ours)
+#   {arch}.attention.sliding_window          window of the sliding-window layers
+#   {arch}.attention.sliding_window_pattern  per layer, true = sliding window (else every layer slides)
+#   {arch}.attention.scale                   the attention's score scale (default 1/sqrt(head_dim))
+#   {arch}.final_logit_softcapping           logit soft cap (Gemma 2 style)
+#   {arch}.logit_multiplier                  factor on the logits (Muse Glimmer's output_multiplier)
 
 
 def our_name(name: str) -> str | None:
@@ -67,13 +84,29 @@ def read_config(path: Path) -> tuple[str, dict]:
         "hidden_dim": int(_field(reader, f"{arch}.feed_forward_length", where)),
         "norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", where)),
         "rope_base": float(_field(reader, f"{arch}.rope.freq_base", where, default=10000.0)),
-        "tie_embeddings": "output.weight" not in names, "sliding_window": 0, "layer_pattern": "F",
+        "tie_embeddings": "output.weight" not in names,
+        **_windows(reader, arch, int(_field(reader, f"{arch}.block_count", where))),
+        "attn_scale": float(_field(reader, f"{arch}.attention.scale", where, default=0.0)),
+        "logit_soft_cap": float(_field(reader, f"{arch}.final_logit_softcapping", where, default=0.0)),
+        "logit_multiplier": float(_field(reader, f"{arch}.logit_multiplier", where, default=1.0)),
+        # options a family leaves to the checkpoint: present when their tensors are
+        "qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "attn_gate": bool(names & {"blk.0.attn_output_gate.weight", "blk.0.attn_gate.weight"}),
         **fam.options,
     }
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling is not None and scaling.contents() != "none":
         raise ConfigError(f"{where}: RoPE scaling {scaling.contents()!r} is not supported yet")
     return fam.name, settings
+
+
+def _windows(reader, arch: str, n_layers: int) -> dict:
+    window = int(_field(reader, f"{arch}.attention.sliding_window", "", default=0) or 0)
+    if window == 0:
+        return {"sliding_window": 0, "layer_pattern": "F"}
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    sliding = [bool(x) for x in pattern.contents()] if pattern is not None else [True] * n_layers
+    return {"sliding_window": window, "layer_pattern": "".join("R" if s else "F" for s in sliding)}
 
 
 def _unpermute(w, n_heads: int):
@@ -93,6 +126,11 @@ def read_weights(path: Path, args, family) -> dict:
     weights = {}
     for i, tensor in enumerate(reader.tensors):
         ours = our_name(tensor.name)
+        if ONES.fullmatch(tensor.name) and (tensor.name == "rope_freqs.weight" or not args.qk_norm_weight):
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            if not np.all(values == 1):
+                raise BuildError(f"{where}: tensor {tensor.name} is not all ones, and our model has no such parameter")
+            continue
         if ours is None:
             raise BuildError(f"{where}: tensor {tensor.name}, which no model of ours has")
         kind = tensor.tensor_type.name
