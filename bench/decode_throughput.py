@@ -59,7 +59,7 @@ def measure(version: Path, seqs: int, context: int, steps: int) -> dict:
     emb = s.method("embed_text").execute([torch.full((seqs,), 11, dtype=torch.int64)])[0]
     order = [(s.seqs[i], 1) for i in range(seqs)]
     for _ in range(steps):
-        cells = s._take_cells(seqs) if s.layout == "cell" else []
+        cells = s.pool.choose(seqs)
         buffers = s._step_buffers(order, cells)
         pos = torch.tensor([s.seqs[i].length for i in range(seqs)])
         t0 = time.perf_counter()

@@ -12,7 +12,6 @@ from pipeline.models.args import ModelArgs
 
 # Closed sets of the schema's string settings, each defined once.
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("cuda", "portable", "xnnpack")
 # validate.runtime (backend=cuda) -> how the GPU runs the methods (validation.json says it)
 GPU_RUNTIMES = {
     "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)",

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class BuildError(RuntimeError):
     """A build that cannot go on (a stage found a problem it can name); nothing is published."""
+
+
+class SessionError(RuntimeError):
+    """A request a serving session refuses (or a program failure it reports); the session is unchanged."""

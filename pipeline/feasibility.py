@@ -15,15 +15,16 @@ from pipeline.models.args import ModelArgs
 GB = 1e9
 
 # The build's peak resident memory, fitted on this project's builds (bench/build_memory.py prints
-# the estimate next to the measured peak; on the tiny model it measured 0.78-0.86 of the estimate):
-# the KV stores are held by the lowered programs of both attending methods, their copies for the
-# backend, ExecuTorch's edge and emitted programs and the runtime's planned buffers (fit: 6.3-7.1
-# copies); the ATen sequence attention copies each query token's column of the store (fit: 2.7);
-# the weights: SmolLM2-135M fp32 (0.54 GB of weights) peaked at 6.24 and 6.63 GB (fit: about 10.8 copies).
+# the estimate next to the measured peak): the KV stores are held by the lowered program, the
+# backend's graphs, ExecuTorch's edge and emitted programs and the runtime's planned buffers (fit:
+# 3.3-4.0 copies; 6.3-7.1 with two attending methods); the ATen sequence attention copies each
+# query token's column of the store (fit: 2.6); the weights:
+# SmolLM2-135M fp32 (0.54 GB of weights) peaks at 3.32 GB with one step method and no copy of the
+# weights in compile (fit: about 4.3 copies; 10.8 when compile deep-copied three methods).
 BASE_BYTES = 0.8 * GB  # python, torch, executorch and the build of the tiny model
-KV_COPIES = 8
+KV_COPIES = 5
 GATHER_COPIES = 3
-WEIGHT_COPIES = 12
+WEIGHT_COPIES = 5
 
 
 def episode_sequences(validate_cfg, max_seqs: int) -> list[tuple[int, int]]:
@@ -40,10 +41,7 @@ def memory_estimate(layout: KVLayout, args: ModelArgs, model_dtype: str) -> dict
     """Bytes: the KV stores, the weights, and the build's estimated peak."""
     kv = sum(layout.kv_bytes_per_layer())
     weights = args.n_parameters() * DTYPE_BYTES[model_dtype]
-    # the ATen sequence attention gathers each query token's column of the widest store, for the
-    # widest step: a prefill chunk or a decode of every sequence
-    column = max(2 * layer.rows * layout.n_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype] for layer in layout.layers)
-    gather = 0 if layout.layout == "cell" else max(layout.max_step_tokens, layout.max_seqs) * column
+    gather = layout.attention_scratch_bytes()
     return {"kv": kv, "weights": weights,
             "peak": BASE_BYTES + KV_COPIES * kv + WEIGHT_COPIES * weights + GATHER_COPIES * gather}
 
@@ -90,14 +88,7 @@ def check_episode(validate_cfg, layout: KVLayout) -> None:
             f"kv.capacity={layout.capacity} is too small for the validation episode: its longest sequence has "
             f"{totals[0]} tokens (validate.prompt_lengths up to {max(lengths)} + validate.decode_steps); "
             f"raise kv.capacity to at least {totals[0]} or shorten the episode")
-    if layout.layout == "cell":
-        # a bound, not a simulation: the sequences live together could all be at their longest
-        peak = sum(totals[: layout.max_seqs])
-        if peak > layout.capacity:
-            raise ConfigError(
-                f"kv.capacity={layout.capacity} cells may be too few for the validation episode: "
-                f"{layout.max_seqs} live sequences can hold up to {peak} tokens; raise kv.capacity to at least "
-                f"{peak} or shorten validate.prompt_lengths / validate.decode_steps")
+    layout.check_episode(totals, "validate.prompt_lengths / validate.decode_steps")
 
 
 def check_memory(layout: KVLayout, args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:

@@ -34,7 +34,8 @@ def check_config(cfg: DictConfig) -> list:
     """Everything that can be rejected before any file is written, from the config alone (no torch
     unless backend=cuda asks whether there is a GPU): the stage order, unknown settings, closed sets,
     the model's shapes, the KV layout, the validation episode against it and the build's memory."""
-    from pipeline.config import BACKENDS, DTYPES, GPU_RUNTIMES, METRICS, unknown_settings
+    from pipeline.backends import backend
+    from pipeline.config import DTYPES, GPU_RUNTIMES, METRICS, unknown_settings
     from pipeline.feasibility import check_episode, check_memory, check_model
     from pipeline.kv.layouts import build_layout
     from pipeline.models.args import model_args
@@ -47,8 +48,7 @@ def check_config(cfg: DictConfig) -> list:
     family(cfg.model.family)
     if cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype={cfg.model.dtype} is not a supported dtype; choose one of {', '.join(DTYPES)}")
-    if cfg.backend.name not in BACKENDS:
-        raise ConfigError(f"backend={cfg.backend.name} is not a backend; choose one of {', '.join(BACKENDS)}")
+    target = backend(cfg.backend.name)
     if cfg.validate.metric not in METRICS:
         raise ConfigError(f"validate.metric={cfg.validate.metric} is not a metric; choose {' or '.join(METRICS)}")
     if cfg.validate.runtime not in GPU_RUNTIMES:
@@ -66,13 +66,13 @@ def check_config(cfg: DictConfig) -> list:
     if "lower_kv" in stages:  # the KV stores exist from lower_kv on
         check_memory(layout, args, cfg.model.dtype, cfg.memory_budget_gb)
     needs_gpu = {"compile", "validate"} & stages
-    if cfg.backend.name == "cuda" and needs_gpu:
+    if target.needs_gpu and needs_gpu:
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError(
-                f"backend=cuda needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() is False); "
-                "build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
+                f"backend={target.name} needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() "
+                "is False); build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
     return plan
 
 

@@ -7,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import compose_config
+from pipeline.backends import backend
 from pipeline.runtime.aoti import MethodServer, MethodServerError
 from pipeline.runtime.session import Session
 from pipeline.stages import compile as compile_stage
@@ -26,7 +27,7 @@ def lowered(tmp_path_factory):
     exported = export.run(cfg.model, cfg.kv, {}, tmp)
     lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp)
     compile_stage.run(cfg.backend, {**exported, **lowered}, tmp)  # manifest.json for the session
-    return cfg, exported["model"], compile_stage.backend_programs(lowered["lowered"], "portable"), tmp
+    return cfg, exported["model"], backend("portable").programs(lowered["lowered"]), tmp
 
 
 @pytest.mark.parametrize("runtime", ["aoti", "inductor"])

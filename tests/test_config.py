@@ -122,3 +122,17 @@ def test_help_describes_the_command():
     for needle in ("Builds a deployable ExecuTorch LLM artifact", "== Stages", "lower_kv", "== Config groups",
                    "kv: cell, sequence", "== Examples", "-m kv=sequence,cell"):
         assert needle in proc.stdout
+
+
+def test_backend_and_layout_modules_match_their_config_groups():
+    """A backend is a module of pipeline/backends plus conf/backend/<name>.yaml, a layout a
+    pipeline/kv/layout_<name>.py plus conf/kv/<name>.yaml: the two lists agree."""
+    from pathlib import Path
+
+    from pipeline.backends import backend, names
+    from pipeline.kv.layouts import layout_names
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    assert names() == sorted(p.stem for p in (conf / "backend").glob("*.yaml"))
+    assert layout_names() == sorted(p.stem for p in (conf / "kv").glob("*.yaml"))
+    assert all(backend(n).name == n for n in names())

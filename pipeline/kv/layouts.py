@@ -16,7 +16,8 @@ sequence's readable history is then at most two runs of rows (the wrap):
 Free of torch: the config checks derive the layout before anything heavy loads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from pipeline.errors import ConfigError
 
@@ -42,9 +43,41 @@ class StepBuffer:
     dtype: str = "int64"
 
 
+@dataclass
+class SeqState:
+    """What a session knows of one live sequence; a layout's ``Pool`` may add to it (its cells)."""
+
+    slot: int  # column (sequence layouts) or owner bit (cell layout)
+    length: int = 0
+    cells: list[int] = field(default_factory=list)
+
+
+class Pool:
+    """A layout's per-session state beyond the sequences' columns and lengths (the cell pool), with
+    the transactional steps the session takes: ``choose`` what a step will write (nothing taken),
+    ``buffers`` for the step, ``commit`` once the program ran, ``release`` a sequence."""
+
+    def choose(self, n_tokens: int) -> list[int]:
+        return []
+
+    def commit(self, order: list[tuple[SeqState, int]], chosen: list[int]) -> None:
+        pass
+
+    def release(self, seq: SeqState) -> None:
+        pass
+
+    def snapshot(self) -> tuple:
+        return ()
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    layout: str  # "sequence" | "batched-sequence" | "cell"
+    """What every layout has; a layout module (``layout_<name>.py``) subclasses it with its store
+    index math (``write_slots``), its attention (``attend``), its step buffers and the state a
+    session keeps for it (``pool``, ``step_buffer_values``). The pass, the session, the manifest
+    and the config checks ask the object; none of them branches on the layout's name."""
+
+    layout: str  # "sequence" | "batched-sequence" | "cell": the manifest's name of it
     max_seqs: int
     capacity: int  # per-sequence context (sequence layouts) or pool cells (cell)
     max_step_tokens: int
@@ -63,10 +96,9 @@ class KVLayout:
 
         return getattr(torch, self.dtype)
 
-
     @property
     def columns(self) -> int:
-        return self.max_seqs if self.layout == "batched-sequence" else 1
+        return 1
 
     @property
     def max_segments(self) -> int:
@@ -83,45 +115,83 @@ class KVLayout:
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)
 
-    def step_buffers(self) -> list[StepBuffer]:
-        if self.layout == "cell":
-            return [
-                StepBuffer("cell_ids", ("n_tokens",)),
-                StepBuffer("q_seq_bits", ("n_tokens",)),
-                StepBuffer("cell_pos", (self.capacity,)),
-                StepBuffer("cell_owners", (self.capacity,)),
-            ]
-        buffers = [StepBuffer("seq_cols", ("n_tokens",))] if self.layout == "batched-sequence" else []
-        return buffers + [StepBuffer(f"seq_info_{kind}", (self.max_segments, 4)) for kind in self.kinds]
-
     def kv_bytes_per_layer(self) -> list[int]:
         """K and V store bytes of each layer: 2 * rows * columns * Hkv * D * itemsize."""
         item = DTYPE_BYTES[self.dtype]
         return [2 * layer.rows * self.columns * self.n_kv_heads * self.head_dim * item for layer in self.layers]
 
+    # --- what each layout defines ---
+
+    manifest_names: ClassVar[tuple[str, ...]] = ()  # the ``layout`` values of its manifests
+
+    @classmethod
+    def build(cls, kv_cfg, model_args) -> "KVLayout":
+        """The layout for a checked ``kv`` config (``build_layout`` checked what all layouts share)."""
+        raise NotImplementedError
+
+    @property
+    def session_length_limit(self) -> int | None:
+        """Tokens a session lets one sequence reach (None: the layout's pool bounds it, or nothing)."""
+        return self.max_seq_len
+
+    def step_buffers(self) -> list[StepBuffer]:
+        raise NotImplementedError
+
+    def constants(self) -> dict[str, int]:
+        """The layout's constant methods of the program (beyond the ones every layout has)."""
+        raise NotImplementedError
+
+    def attention_scratch_bytes(self) -> int:
+        """Bytes the CPU attention materialises for the widest step (the build's memory estimate)."""
+        return 0
+
+    def check_episode(self, totals: list[int], validate_setting: str) -> None:
+        """Refuse a validation episode (sequence lengths ``totals``, longest first) that cannot fit."""
+
+    def write_slots(self, call, pos, layer: LayerStore, step: dict):
+        """Graph nodes: the store row each of the step's tokens writes (pass: ``call`` =
+        graph.call_function, ``step`` = the step-buffer placeholders by name)."""
+        raise NotImplementedError
+
+    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: dict,
+               plans: dict, q_meta, v_meta):
+        """Graph nodes: the layer's attention over its store, [T, Hq, Dv]."""
+        raise NotImplementedError
+
+    def pool(self) -> Pool:
+        return Pool()
+
+    def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: Pool) -> dict:
+        """The step buffers' tensors for a step of ``order`` (sequence, tokens) writing ``chosen``."""
+        raise NotImplementedError
+
+
+def layout_names() -> list[str]:
+    """The ``kv.layout`` values: the ``layout_<name>`` modules of this package (no import)."""
+    import pkgutil
+
+    import pipeline.kv as package
+
+    return sorted(m.name.removeprefix("layout_") for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("layout_"))
+
+
+def _layout_class(name: str) -> type:
+    import importlib
+
+    return importlib.import_module(f"pipeline.kv.layout_{name}").LAYOUT
+
 
 def build_layout(kv_cfg, model_args) -> KVLayout:
     """Validate the ``kv`` config against the model and derive the layout."""
     name, max_seqs, capacity, step = kv_cfg.layout, kv_cfg.max_seqs, kv_cfg.capacity, kv_cfg.max_step_tokens
-    if name not in ("sequence", "cell"):
-        raise KVConfigError(f"kv.layout={name} is not a layout; choose sequence or cell")
+    if name not in layout_names():
+        raise KVConfigError(f"kv.layout={name} is not a layout; choose {' or '.join(layout_names())}")
     if max_seqs < 1:
         raise KVConfigError(f"kv.max_seqs={max_seqs} must be at least 1")
     if capacity < 1:
         raise KVConfigError(f"kv.capacity={capacity} must be a positive number of tokens")
     if not 1 <= step <= capacity:
         raise KVConfigError(f"kv.max_step_tokens={step} must lie in [1, kv.capacity={capacity}]")
-    if name == "cell" and max_seqs > CELL_OWNER_BITS:
-        raise KVConfigError(
-            f"kv.max_seqs={max_seqs} exceeds the cell layout's limit of {CELL_OWNER_BITS} "
-            "(owners are an int64 bitset); use kv=sequence for more sequences"
-        )
-    if name == "cell" and max_seqs * step > capacity:
-        raise KVConfigError(
-            f"kv.max_seqs={max_seqs} is more than the cell pool allows: {max_seqs} sequences of one "
-            f"{step}-token step need {max_seqs * step} cells, kv.capacity={capacity}; "
-            f"raise kv.capacity or lower kv.max_seqs to at most {capacity // step}"
-        )
     if kv_cfg.dtype not in DTYPE_BYTES:
         raise KVConfigError(f"kv.dtype={kv_cfg.dtype} is not a KV store dtype; choose one of {', '.join(DTYPE_BYTES)}")
     window = model_args.sliding_window
@@ -130,27 +200,20 @@ def build_layout(kv_cfg, model_args) -> KVLayout:
             f"model.sliding_window={window} is larger than kv.capacity={capacity}; "
             f"the window must fit in the context (at most {capacity})"
         )
-    layer_kv = model_args.layer_kv()
-    max_seq_len = capacity if name == "cell" or any(layer.window == 0 for layer in layer_kv) else None
-    layers = []
-    for layer in layer_kv:
-        if name == "cell":
-            layers.append(LayerStore("ring" if layer.window else "flat", capacity, layer.window))
-        elif layer.window:
-            # a step of max_step_tokens writes that many rows while its first query still reads the
-            # window behind it; a sequence that never passes capacity tokens never wraps capacity rows
-            ring_rows = layer.window + step - 1
-            if max_seq_len is not None:
-                ring_rows = min(ring_rows, max_seq_len)
-            layers.append(LayerStore("ring", ring_rows, layer.window))
-        else:
-            layers.append(LayerStore("flat", capacity, 0))
-    layout = "cell" if name == "cell" else ("sequence" if max_seqs == 1 else "batched-sequence")
-    return KVLayout(
-        layout=layout, max_seqs=max_seqs, capacity=capacity, max_step_tokens=step, causal=kv_cfg.causal,
-        n_kv_heads=model_args.n_kv_heads, head_dim=model_args.head_dim,
-        dtype=kv_cfg.dtype, layers=tuple(layers), max_seq_len=max_seq_len,
-    )
+    return _layout_class(name).build(kv_cfg, model_args)
+
+
+def layout_from_manifest(kv: dict) -> KVLayout:
+    """The layout object of a built artifact, from its manifest's ``target`` section."""
+    classes = [_layout_class(name) for name in layout_names()]
+    cls = next((c for c in classes if kv["layout"] in c.manifest_names), None)
+    if cls is None:
+        raise ValueError(f"manifest layout {kv['layout']!r} is none of {[n for c in classes for n in c.manifest_names]}")
+    return cls(
+        layout=kv["layout"], max_seqs=kv["max_seqs"], capacity=kv["capacity"], max_step_tokens=kv["max_step_tokens"],
+        causal=kv["causal"], n_kv_heads=kv["n_kv_heads"], head_dim=kv["head_dim"], dtype=kv["dtype"],
+        layers=tuple(LayerStore(layer["kind"], layer["rows"], layer["window"]) for layer in kv["layers"]),
+        max_seq_len=kv["max_seq_len"])
 
 
 def sequence_segments(length: int, rows: int, column: int) -> list[tuple[int, int, int, int]]:

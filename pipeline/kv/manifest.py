@@ -41,13 +41,7 @@ def constant_methods(layout: KVLayout, vocab_size: int) -> dict[str, int]:
         "get_offgraph_kv_causal": int(layout.causal),
         "get_max_step_tokens": layout.max_step_tokens,
     }
-    if layout.layout == "cell":
-        constants |= {"get_kv_cell_count": layout.capacity, "get_kv_cell_max_seqs": layout.max_seqs}
-    else:
-        constants |= {"get_offgraph_kv_max_seqs": layout.max_seqs, "get_offgraph_kv_seq_capacity": layout.capacity}
-        if "ring" in layout.kinds:
-            constants["get_offgraph_kv_ring_rows"] = layout.rows_of("ring")
-    return constants
+    return constants | layout.constants()
 
 
 def manifest(kv: dict, backend: str, program: str, data_files: list[str], methods: dict[str, list[str]],

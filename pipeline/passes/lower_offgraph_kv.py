@@ -61,7 +61,9 @@ def lower_offgraph_kv(
     """Rewrite every neutral KV node of ``ep``; ``sdpa_varlen`` picks the kernel (ATen or Triton).
 
     With ``sdpa_plan`` (``kvcache::sdpa_varlen_plan``), ``sdpa_varlen`` is the planned form
-    (``kvcache::sdpa_varlen_attend``): one plan per layer kind, shared by its layers."""
+    (``kvcache::sdpa_varlen_attend``): one plan per layer kind, shared by its layers. The store
+    index math and the attention call are the layout's (``KVLayout.write_slots`` / ``attend``)."""
+    kernel = {"sdpa_varlen": sdpa_varlen} | ({"sdpa_plan": sdpa_plan} if sdpa_plan is not None else {})
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
     unlifted = ep.module()
@@ -101,14 +103,7 @@ def lower_offgraph_kv(
             call = graph.call_function
             pos = call(aten.view.default, (position, [-1]))  # [T]
             if layer.kind not in slots_by_kind:
-                if layout.layout == "cell":
-                    slots_by_kind[layer.kind] = step["cell_ids"]
-                else:
-                    row = call(aten.remainder.Scalar, (pos, layer.rows))
-                    slots = call(aten.mul.Scalar, (row, layout.columns))
-                    if "seq_cols" in step:
-                        slots = call(aten.add.Tensor, (slots, step["seq_cols"]))
-                    slots_by_kind[layer.kind] = slots
+                slots_by_kind[layer.kind] = layout.write_slots(call, pos, layer, step)
             slots = slots_by_kind[layer.kind]
 
             def tokens_first(x):  # [1, H, T, D] -> [T, H, D]
@@ -120,26 +115,8 @@ def lower_offgraph_kv(
 
             k_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
             v_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
-            q_tok = tokens_first(q)
-            if layout.layout == "cell":
-                out = call(torch.ops.kvcache.sdpa_cells.default, (
-                    q_tok, k_store, v_store, pos, step["q_seq_bits"], step["cell_pos"], step["cell_owners"],
-                    scale, layout.causal, layer.window))
-            else:
-                cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
-                seq_info = step[f"seq_info_{layer.kind}"]
-                if sdpa_plan is None:
-                    out = call(sdpa_varlen, (
-                        q_tok, k_store, v_store, pos, cols, seq_info, layout.columns, scale, layout.causal, layer.window))
-                else:
-                    if layer.kind not in plans_by_kind:  # every layer of a kind has the same bounds and shapes
-                        qv, vv = q.meta["val"], v.meta["val"]
-                        plans_by_kind[layer.kind] = call(sdpa_plan, (
-                            pos, cols, seq_info, layout.columns, layout.causal, layer.window, qv.shape[1],
-                            layout.n_kv_heads, layout.head_dim, vv.shape[-1], qv.element_size()))
-                    out = call(sdpa_varlen, (
-                        q_tok, k_store, v_store, pos, plans_by_kind[layer.kind], layout.columns, scale,
-                        layout.causal, layer.window))
+            out = layout.attend(call, tokens_first(q), k_store, v_store, pos, layer, step, scale, kernel,
+                                plans_by_kind, q.meta["val"], v.meta["val"])
             out = call(aten.unsqueeze.default, (call(aten.permute.default, (out, [1, 0, 2])), 0))  # [1, Hq, T, Dv]
             if out_dtype != q.meta["val"].dtype:  # the attention ops return q's dtype
                 out = call(aten._to_copy.default, (out,), {"dtype": out_dtype})

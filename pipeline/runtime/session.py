@@ -9,23 +9,16 @@ fed in the step: the rows a sampler reads, never one per token.
 
 import json
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.kv.layouts import sequence_segments
+from pipeline.errors import SessionError
+from pipeline.kv.layouts import SeqState, layout_from_manifest
+from pipeline.kv.manifest import constant_methods
 
-
-class SessionError(RuntimeError):
-    pass
-
-
-@dataclass
-class _Sequence:
-    slot: int  # column (sequence layouts) or owner bit (cell layout)
-    length: int = 0
-    cells: list[int] = field(default_factory=list)
+__all__ = ["Session", "SessionError"]
 
 
 class Session:
@@ -52,14 +45,12 @@ class Session:
         self.layout = self.kv["layout"]
         self.max_seqs = self.kv["max_seqs"]
         self.max_step_tokens = self.kv["max_step_tokens"]
-        self.rows = {layer["kind"]: layer["rows"] for layer in self.kv["layers"]}
         self.max_length = self.kv["max_seq_len"]  # tokens per sequence; None: unbounded (ring layers only)
         self.vocab_size = self.kv["vocab_size"]
-        self.seqs: dict[object, _Sequence] = {}
-        n_cells = self.kv["capacity"]
-        self.cell_pos = torch.zeros(n_cells, dtype=torch.int64)
-        self.cell_owners = torch.zeros(n_cells, dtype=torch.int64)
-        self.free_cells = list(range(n_cells))
+        self.seqs: dict[object, SeqState] = {}
+        # the layout's own state (the cell pool) and index math: the session never asks which layout
+        self.kv_layout = layout_from_manifest(self.kv)
+        self.pool = self.kv_layout.pool()
 
     def method(self, name: str):
         if name not in self._methods:
@@ -67,12 +58,7 @@ class Session:
         return self._methods[name]
 
     def _check_constants(self) -> None:
-        expect = {"get_offgraph_kv_max_segments": self.kv["max_segments"], "get_max_step_tokens": self.kv["max_step_tokens"],
-                  "get_vocab_size": self.kv["vocab_size"]}
-        if self.kv["layout"] == "cell":
-            expect |= {"get_kv_cell_max_seqs": self.kv["max_seqs"], "get_kv_cell_count": self.kv["capacity"]}
-        else:
-            expect |= {"get_offgraph_kv_max_seqs": self.kv["max_seqs"]}
+        expect = constant_methods(layout_from_manifest(self.kv), self.kv["vocab_size"])
         for name, value in expect.items():
             got = self.constant(name)
             if got != value:
@@ -98,19 +84,14 @@ class Session:
                 f"cannot add sequence {seq_id!r}: {self.max_seqs} sequences are live, the artifact's max_seqs; "
                 "release one first or build with a larger kv.max_seqs")
         taken = {s.slot for s in self.seqs.values()}
-        self.seqs[seq_id] = _Sequence(slot=min(set(range(self.max_seqs)) - taken))
+        self.seqs[seq_id] = SeqState(slot=min(set(range(self.max_seqs)) - taken))
 
     def release(self, seq_id) -> None:
         """Forget a sequence: its column (or its cells) serve the next one."""
-        seq = self._get(seq_id)
-        bit = 1 << seq.slot
-        for cell in seq.cells:
-            self.cell_owners[cell] &= ~bit
-            if self.cell_owners[cell] == 0:
-                self.free_cells.append(cell)
+        self.pool.release(self._get(seq_id))
         del self.seqs[seq_id]
 
-    def _get(self, seq_id) -> _Sequence:
+    def _get(self, seq_id) -> SeqState:
         try:
             return self.seqs[seq_id]
         except (KeyError, TypeError):
@@ -135,10 +116,11 @@ class Session:
                                "(a decode step, one token per sequence, may take up to max_seqs)")
         for seq_id, seq, toks in order:
             end = seq.length + len(toks)
-            if self.layout != "cell" and self.max_length is not None and end > self.max_length:  # cells: the pool
+            limit = self.kv_layout.session_length_limit  # None: unbounded, or the cell pool bounds it
+            if limit is not None and end > limit:
                 raise SessionError(f"sequence {seq_id!r} would reach {end} tokens, past the flat layers' capacity of "
                                    f"{self.max_length}; release it or build with a larger kv.capacity")
-        cells = self._take_cells(n_tokens) if self.layout == "cell" else []
+        cells = self.pool.choose(n_tokens)  # the cells the step will write (cell layout): chosen, not taken
 
         step_buffers = self._step_buffers([(seq, len(toks)) for _, seq, toks in order], cells)
         token_t = torch.tensor([t for *_, toks in order for t in toks], dtype=torch.int64)
@@ -175,48 +157,16 @@ class Session:
                 raise SessionError(f"sequence {seq_id!r}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in toks]
 
-    def _take_cells(self, n: int) -> list[int]:
-        """The cells the step will write: chosen, not yet taken (``_commit`` takes them)."""
-        if n > len(self.free_cells):
-            raise SessionError(f"the cell pool is full: the step needs {n} cells, "
-                               f"{len(self.free_cells)} of {self.kv['capacity']} are free")
-        return self.free_cells[:n]
-
-    def _commit(self, order: list[tuple[_Sequence, int]], cells: list[int]) -> None:
+    def _commit(self, order: list[tuple[SeqState, int]], cells: list[int]) -> None:
         """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
-        taken = iter(cells)
+        self.pool.commit(order, cells)
         for seq, n in order:
-            if cells:
-                for i, cell in zip(range(n), taken, strict=False):  # the next n cells
-                    self.cell_pos[cell] = seq.length + i
-                    self.cell_owners[cell] = 1 << seq.slot
-                    seq.cells.append(cell)
             seq.length += n
-        del self.free_cells[: len(cells)]
 
-    def _step_buffers(self, order: list[tuple[_Sequence, int]], cells: list[int]) -> list[torch.Tensor]:
+    def _step_buffers(self, order: list[tuple[SeqState, int]], cells: list[int]) -> list[torch.Tensor]:
         """The step buffers for the step about to run, computed from the state it will leave."""
-        if self.layout == "cell":
-            cell_pos, cell_owners = self.cell_pos.clone(), self.cell_owners.clone()
-            bits = []
-            taken = iter(cells)
-            for seq, n in order:
-                for i in range(n):
-                    cell = next(taken)
-                    cell_pos[cell], cell_owners[cell] = seq.length + i, 1 << seq.slot
-                    bits.append(1 << seq.slot)
-            buffers = {"cell_ids": torch.tensor(cells, dtype=torch.int64), "q_seq_bits": torch.tensor(bits, dtype=torch.int64),
-                       "cell_pos": cell_pos, "cell_owners": cell_owners}
-        else:
-            buffers = {"seq_cols": torch.tensor([seq.slot for seq, n in order for _ in range(n)], dtype=torch.int64)}
-            for kind, rows in self.rows.items():
-                segments = [run for seq, n in order for run in sequence_segments(seq.length + n, rows, seq.slot)]
-                info = torch.zeros(self.kv["max_segments"], 4, dtype=torch.int64)
-                if segments:
-                    info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
-                buffers[f"seq_info_{kind}"] = info
-        return [buffers[b["name"]] for b in self.kv["step_buffers"]]
-
+        values = self.kv_layout.step_buffer_values(order, cells, self.pool)
+        return [values[b["name"]] for b in self.kv["step_buffers"]]
 
     # --- text (artifacts built from a checkpoint carry its tokenizer) ---
 

@@ -8,10 +8,12 @@ lengths, chunked prefill sharing steps with decodes, greedy decoding, one
 sequence finishing and a new one taking its column (or cells), ring layers
 wrapping.
 
-needs: model, program    gives: validation (written to validation.json)
+needs: model, lowered, program    gives: validation (written to validation.json)
+
+What runs the program is the backend's (``Backend.session``): ExecuTorch's runtime on CPU, the
+same lowered graphs through Inductor on a GPU.
 """
 
-import contextlib
 import copy
 import functools
 import json
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.backends import backend
 from pipeline.errors import BuildError
 from pipeline.feasibility import episode_sequences
 from pipeline.kv.op import ReferenceCache, reference_cache
@@ -113,14 +116,14 @@ def backend_graphs(model_cfg, kv_cfg, backend_cfg) -> dict:
     validation's child process rebuilds them this way; configs as plain containers)."""
     from omegaconf import OmegaConf
 
+    from pipeline.backends import backend
     from pipeline.stages import export, lower_kv
-    from pipeline.stages.compile import backend_programs
 
     model_cfg, kv_cfg, backend_cfg = (OmegaConf.create(c) for c in (model_cfg, kv_cfg, backend_cfg))
     # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
     exported = export.run(model_cfg, kv_cfg, {}, None)
     lowered = lower_kv.run(kv_cfg, backend_cfg, exported, None)
-    return backend_programs(lowered["lowered"], backend_cfg.name)
+    return backend(backend_cfg.name).programs(lowered["lowered"])
 
 
 def graphs_recipe(model_cfg, kv_cfg, backend_cfg):
@@ -129,25 +132,6 @@ def graphs_recipe(model_cfg, kv_cfg, backend_cfg):
 
     return functools.partial(backend_graphs, *(OmegaConf.to_container(c, resolve=True)
                                                for c in (model_cfg, kv_cfg, backend_cfg)))
-
-
-@contextlib.contextmanager
-def _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
-    """The session the episode drives and a description of the runtime behind it."""
-    if backend_cfg.name != "cuda":
-        yield Session(workdir), "executorch.runtime (Python bindings), CPU"
-        return
-    from pipeline.config import GPU_RUNTIMES
-    from pipeline.runtime.aoti import MethodServer
-    from pipeline.stages.compile import backend_programs
-
-    gpu = torch.cuda.get_device_name()
-    runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
-               f"rebuilt from the config in a child process (same fingerprint), {GPU_RUNTIMES[validate_cfg.runtime]}, on {gpu} "
-               f"(ExecuTorch's Python runtime has no CUDA backend)")
-    with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), backend_programs(inputs["lowered"], backend_cfg.name),
-                      device="cuda", runtime=validate_cfg.runtime) as server:
-        yield Session(workdir, methods=server.runners), runtime
 
 
 def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) -> None:
@@ -165,7 +149,7 @@ def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Pat
     model = inputs["model"]
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
-    with _session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
+    with backend(backend_cfg.name).session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
             _text_prompts(scripts, list(validate_cfg.prompts), session)

@@ -1,0 +1,85 @@
+"""Backends: one module each (``xnnpack.py``, ``portable.py``, ``cuda.py``), holding a ``Backend``
+that answers everything the stages ask of it.
+
+    lower_kv   attention_kernel()    the sdpa_varlen implementation the store lowering calls
+    compile    programs(lowered)     the graphs the backend compiles (custom ops it has no kernel
+                                     for inlined as ATen), on copies where it edits them
+               partitioners(methods), edge_ir_check, share_mutable_buffers, write_data(...)
+    validate   session(...)          the Session the episode drives, and what runs it
+    runner     needs_gpu             compile and validate need a CUDA GPU
+
+Adding a backend is a module here defining ``BACKEND`` plus ``conf/backend/<name>.yaml``; the
+config check finds it by its module name. Importing this package imports neither torch nor
+ExecuTorch (the config check runs before any), and no backend module imports ExecuTorch at the top:
+the GPU validation's child process builds graphs through ``programs`` with ExecuTorch kept out.
+"""
+
+import contextlib
+import importlib
+import pkgutil
+from pathlib import Path
+
+from pipeline.errors import ConfigError
+
+
+class Backend:
+    name = ""
+    needs_gpu = False
+    # ExecuTorch's Edge dialect check (off where the compiled graphs hold ops outside it)
+    edge_ir_check = True
+    # KV stores as mutable buffers of the program, one set shared by every method
+    share_mutable_buffers = True
+
+    def attention_kernel(self) -> dict:
+        """The ops lower_kv's store lowering calls: ``sdpa_varlen`` (and ``sdpa_plan`` where the
+        attention is planned once per step and layer kind)."""
+        import torch
+
+        import pipeline.kernels.reference  # noqa: F401  (registers kvcache::sdpa_varlen, sdpa_cells)
+
+        return {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen.default}
+
+    def inlined(self) -> dict:
+        """Custom ops the backend has no kernel for -> their ATen bodies (run_decompositions table)."""
+        from pipeline.kernels.reference import ATEN_DECOMPOSITIONS
+
+        return ATEN_DECOMPOSITIONS
+
+    def programs(self, lowered: dict) -> dict:
+        """The graphs the backend compiles, from lower_kv's programs, which must stay usable.
+
+        ``run_decompositions`` gives new programs with their own state dicts, enough for a backend
+        that drops the constants it takes but does not change tensors (XNNPACK, portable): no copy of
+        the weights, which for a real model is the largest single term of the build's memory."""
+        from pipeline.passes.common_subexpressions import merge_common_subexpressions
+
+        table = self.inlined()
+        programs = {name: ep.run_decompositions(table) for name, ep in lowered.items()}
+        for ep in programs.values():
+            merge_common_subexpressions(ep.graph_module)
+        return programs
+
+    def partitioners(self, methods: list[str]):
+        """ExecuTorch partitioners: a list for every method, or {method: list}."""
+        return []
+
+    def write_data(self, program, workdir: Path) -> None:
+        """Files beside model.pte (.ptd) that the program needs at run time."""
+
+    @contextlib.contextmanager
+    def session(self, validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
+        """The session validate drives through the built program, and a description of its runtime."""
+        from pipeline.runtime.session import Session
+
+        yield Session(workdir), "executorch.runtime (Python bindings), CPU"
+
+
+def names() -> list[str]:
+    """Every backend, by module name (no import)."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def backend(name: str) -> Backend:
+    if name not in names():
+        raise ConfigError(f"backend={name} is not a backend; choose one of {', '.join(names())}")
+    return importlib.import_module(f"{__name__}.{name}").BACKEND

@@ -1,0 +1,126 @@
+"""The cell layout: one pool of ``capacity`` cells per layer, shared by every sequence.
+
+The session chooses the cells a step writes (``cell_ids``) and keeps, per cell, its position and
+its owners (an int64 bitset, one bit per sequence slot: at most 63 sequences). A query attends to
+the cells whose owners include its sequence's bit (``q_seq_bits``), by position, causal and window.
+"""
+
+from dataclasses import dataclass
+
+from pipeline.errors import SessionError
+from pipeline.kv.layouts import CELL_OWNER_BITS, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer
+
+
+@dataclass(frozen=True)
+class CellLayout(KVLayout):
+    manifest_names = ("cell",)
+
+    @classmethod
+    def build(cls, kv_cfg, model_args) -> "CellLayout":
+        max_seqs, capacity, step = kv_cfg.max_seqs, kv_cfg.capacity, kv_cfg.max_step_tokens
+        if max_seqs > CELL_OWNER_BITS:
+            raise KVConfigError(
+                f"kv.max_seqs={max_seqs} exceeds the cell layout's limit of {CELL_OWNER_BITS} "
+                "(owners are an int64 bitset); use kv=sequence for more sequences")
+        if max_seqs * step > capacity:
+            raise KVConfigError(
+                f"kv.max_seqs={max_seqs} is more than the cell pool allows: {max_seqs} sequences of one "
+                f"{step}-token step need {max_seqs * step} cells, kv.capacity={capacity}; "
+                f"raise kv.capacity or lower kv.max_seqs to at most {capacity // step}")
+        layers = tuple(LayerStore("ring" if layer.window else "flat", capacity, layer.window) for layer in model_args.layer_kv())
+        return cls(layout="cell", max_seqs=max_seqs, capacity=capacity, max_step_tokens=step, causal=kv_cfg.causal,
+                   n_kv_heads=model_args.n_kv_heads, head_dim=model_args.head_dim, dtype=kv_cfg.dtype,
+                   layers=layers, max_seq_len=capacity)
+
+    @property
+    def session_length_limit(self) -> int | None:
+        return None  # the pool bounds the sequences together (``CellPool.choose``)
+
+    def step_buffers(self) -> list[StepBuffer]:
+        return [
+            StepBuffer("cell_ids", ("n_tokens",)),
+            StepBuffer("q_seq_bits", ("n_tokens",)),
+            StepBuffer("cell_pos", (self.capacity,)),
+            StepBuffer("cell_owners", (self.capacity,)),
+        ]
+
+    def constants(self) -> dict[str, int]:
+        # a cell artifact declares its pool, and no sequence count (that marks the sequence paths)
+        return {"get_kv_cell_count": self.capacity, "get_kv_cell_max_seqs": self.max_seqs}
+
+    def check_episode(self, totals: list[int], validate_setting: str) -> None:
+        # a bound, not a simulation: the sequences live together could all be at their longest
+        peak = sum(totals[: self.max_seqs])
+        if peak > self.capacity:
+            raise KVConfigError(
+                f"kv.capacity={self.capacity} cells may be too few for the validation episode: "
+                f"{self.max_seqs} live sequences can hold up to {peak} tokens; raise kv.capacity to at least "
+                f"{peak} or shorten {validate_setting}")
+
+    def write_slots(self, call, pos, layer: LayerStore, step: dict):
+        return step["cell_ids"]
+
+    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: dict,
+               plans: dict, q_meta, v_meta):
+        import torch
+
+        return call(torch.ops.kvcache.sdpa_cells.default, (
+            q, k_store, v_store, pos, step["q_seq_bits"], step["cell_pos"], step["cell_owners"],
+            scale, self.causal, layer.window))
+
+    def pool(self) -> "CellPool":
+        return CellPool(self.capacity)
+
+    def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: "CellPool") -> dict:
+        import torch
+
+        cell_pos, cell_owners = pool.cell_pos.clone(), pool.cell_owners.clone()  # as the step will leave them
+        bits = []
+        taken = iter(chosen)
+        for seq, n in order:
+            for i in range(n):
+                cell = next(taken)
+                cell_pos[cell], cell_owners[cell] = seq.length + i, 1 << seq.slot
+                bits.append(1 << seq.slot)
+        return {"cell_ids": torch.tensor(chosen, dtype=torch.int64), "q_seq_bits": torch.tensor(bits, dtype=torch.int64),
+                "cell_pos": cell_pos, "cell_owners": cell_owners}
+
+
+class CellPool(Pool):
+    """Each cell's position and owners, and the free cells."""
+
+    def __init__(self, n_cells: int):
+        import torch
+
+        self.n_cells = n_cells
+        self.cell_pos = torch.zeros(n_cells, dtype=torch.int64)
+        self.cell_owners = torch.zeros(n_cells, dtype=torch.int64)
+        self.free_cells = list(range(n_cells))
+
+    def choose(self, n_tokens: int) -> list[int]:
+        if n_tokens > len(self.free_cells):
+            raise SessionError(f"the cell pool is full: the step needs {n_tokens} cells, "
+                               f"{len(self.free_cells)} of {self.n_cells} are free")
+        return self.free_cells[:n_tokens]
+
+    def commit(self, order: list[tuple[SeqState, int]], chosen: list[int]) -> None:
+        taken = iter(chosen)
+        for seq, n in order:
+            for i, cell in zip(range(n), taken, strict=False):  # the next n cells
+                self.cell_pos[cell] = seq.length + i
+                self.cell_owners[cell] = 1 << seq.slot
+                seq.cells.append(cell)
+        del self.free_cells[: len(chosen)]
+
+    def release(self, seq: SeqState) -> None:
+        bit = 1 << seq.slot
+        for cell in seq.cells:
+            self.cell_owners[cell] &= ~bit
+            if self.cell_owners[cell] == 0:
+                self.free_cells.append(cell)
+
+    def snapshot(self) -> tuple:
+        return list(self.free_cells), self.cell_pos.clone(), self.cell_owners.clone()
+
+
+LAYOUT = CellLayout
