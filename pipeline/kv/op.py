@@ -45,6 +45,13 @@ class ReferenceCache:
     def length(self) -> int:
         return 0 if self.pos[0] is None else int(self.pos[0].numel())
 
+    def truncate(self, length: int) -> None:
+        """Forget every position >= ``length`` (a draft's scratch block, rejected proposals)."""
+        for i, pos in enumerate(self.pos):
+            if pos is not None:
+                keep = pos < length
+                self.k[i], self.v[i], self.pos[i] = self.k[i][:, :, keep], self.v[i][:, :, keep], pos[keep]
+
     def update_and_fetch(self, layer_id: int, k: Tensor, v: Tensor, position: Tensor) -> tuple[Tensor, Tensor, AttendSpec]:
         """ExecuTorch's cache protocol: append this step, return the history and who sees what."""
         if k.shape[0] != 1:

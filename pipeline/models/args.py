@@ -59,3 +59,31 @@ class ModelArgs:
 def model_args(model_cfg) -> ModelArgs:
     """The ``model`` config section as the decoder's settings."""
     return ModelArgs(**{k: model_cfg[k] for k in ModelArgs.__dataclass_fields__})
+
+
+@dataclass
+class DraftArgs:
+    """A DFlash draft (``models/dflash.py``), in the reference's names where it has them."""
+
+    block_size: int = 16  # positions a draft block proposes from: the last accepted token, then masks
+    num_hidden_layers: int = 1
+    target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs feed the context
+    mask_token_id: int = 0
+    dim: int = 64  # the target's width (embeddings and the output head are the target's)
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    hidden_dim: int = 176
+    norm_eps: float = 1e-6
+    rope_base: float = 10000.0
+    rope_interleaved: bool = False  # both references rotate halves (NEOX)
+
+
+def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
+    """The reference's choice of tapped target layers: the middle one for a one-layer draft, else
+    ``n_draft_layers`` spread evenly from layer 1 to layer n_target_layers - 3 (dflash's
+    ``build_target_layer_ids``)."""
+    if n_draft_layers == 1:
+        return [n_target_layers // 2]
+    span = n_target_layers - 4
+    return [round(1 + i * span / (n_draft_layers - 1)) for i in range(n_draft_layers)]
