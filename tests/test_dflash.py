@@ -16,12 +16,12 @@ def test_default_tapped_layers_are_the_references(n_target, n_draft):
     assert default_target_layer_ids(n_target, n_draft) == dflash.build_target_layer_ids(n_target, n_draft)
 
 
-def reference_and_ours(n_layers: int = 2):
+def reference_and_ours(n_layers: int = 2, vocab_size: int = 512):
     from transformers import Qwen3Config
 
     taps = [1, 5]
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=176,
-                         num_hidden_layers=n_layers, rms_norm_eps=1e-6, vocab_size=512, num_target_layers=8,
+                         num_hidden_layers=n_layers, rms_norm_eps=1e-6, vocab_size=vocab_size, num_target_layers=8,
                          rope_theta=10000.0, dflash_config={"block_size": 4, "target_layer_ids": taps, "mask_token_id": 3})
     torch.manual_seed(0)
     ref = dflash.DFlashDraftModel(config).eval()

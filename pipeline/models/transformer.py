@@ -131,12 +131,19 @@ class Transformer(nn.Module):
 
     def hidden(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         # embeddings: [1, T, dim]  positions: [T] -> normed hidden [T, dim]
+        return self.hidden_and_taps(embeddings, positions, ())[0]
+
+    def hidden_and_taps(self, embeddings: Tensor, positions: Tensor, taps) -> tuple[Tensor, Tensor | None]:
+        """The normed hidden [T, dim] and the outputs of layers ``taps`` concatenated, [T, len(taps) * dim]
+        (a DFlash draft's context features; None without taps)."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = torch.cos(angles), torch.sin(angles)
-        h = embeddings
-        for layer in self.layers:
+        h, tapped = embeddings, {}
+        for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, positions)
-        return self.norm(h)[0]
+            if i in taps:
+                tapped[i] = h[0]
+        return self.norm(h)[0], torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
 
     def logits(self, hidden: Tensor) -> Tensor:
         # hidden: [R, dim] -> [R, vocab]
