@@ -28,10 +28,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = _f32(x)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = x32 * torch.rsqrt(_mean_square(x32) + self.eps)
         if self.weight is None:
             return normed.to(x.dtype)
         return normed.to(x.dtype) * self.weight if x.dtype != torch.float32 else normed * self.weight
+
+
+def _mean_square(x: Tensor) -> Tensor:
+    """mean(x^2) over the last dim, keepdim, for x = [1, T, ...] with T the only dynamic size.
+
+    Written as a 4-D global average pool ([1, rows, D, 1] over its last two dims), the one form of
+    mean XNNPACK takes; the plain mean stays out of the delegate and splits the layer's partition
+    at every norm."""
+    pooled = (x * x).view(1, -1, x.shape[-1], 1).mean((2, 3), keepdim=True)
+    return pooled.view(1, -1, *x.shape[2:-1], 1)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
