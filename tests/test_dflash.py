@@ -31,6 +31,12 @@ def reference_and_ours(n_layers: int = 2, vocab_size: int = 512):
     args = DraftArgs(block_size=4, num_hidden_layers=n_layers, target_layer_ids=tuple(taps), mask_token_id=3, dim=64,
                      n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=176, norm_eps=1e-6, rope_base=10000.0)
     ours = build_draft(args, 1)
+    copy_weights(ref, ours, n_layers)
+    return ref, ours
+
+
+def copy_weights(ref, ours, n_layers: int) -> None:
+    """The reference's parameters into ours (dflash's and ExecuTorch's drafts use the same names)."""
     names = {"fc.weight": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight"}
     for i in range(n_layers):
         r, o = f"layers.{i}.", f"layers.{i}."
@@ -46,7 +52,6 @@ def reference_and_ours(n_layers: int = 2, vocab_size: int = 512):
     with torch.no_grad():
         for r_name, o_name in names.items():
             mine[o_name].copy_(theirs[r_name])
-    return ref, ours
 
 
 def run_blocks(ref, ours, causal=False, roll_back=True):
@@ -81,3 +86,32 @@ def test_comparison_can_fail():
     ref, ours = reference_and_ours()
     assert run_blocks(ref, ours, causal=True) > 1e-3
     assert run_blocks(ref, ours, roll_back=False) > 1e-3
+
+
+def test_draft_matches_executorchs_muse_glimmer_draft():
+    """The same draft is the Muse Glimmer one (ExecuTorch's DFlashDraftModel: context cached per
+    layer, the block's K/V never cached, half-split RoPE), block after block."""
+    from executorch.examples.models.muse_glimmer.model.dflash_model import DFlashConfig, DFlashDraftModel
+
+    config = DFlashConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=176, vocab_size=512,
+                          block_size=4, target_layers=[1, 5], rope_theta=500000.0, norm_eps=1e-5, mask_token_id=3,
+                          max_seq_len=128)
+    torch.manual_seed(0)
+    ref = DFlashDraftModel(config, max_context_length=128).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    ours = build_draft(DraftArgs(block_size=4, num_hidden_layers=2, target_layer_ids=(1, 5), mask_token_id=3, dim=64,
+                                 n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=176, norm_eps=1e-5, rope_base=500000.0), 1)
+    copy_weights(ref, ours, 2)
+    gen = torch.Generator().manual_seed(2)
+    cache, start = ReferenceCache(ours.layer_kv(), causal=False), 0
+    for n_ctx in (6, 3, 1):
+        features, block = torch.randn(1, n_ctx, 128, generator=gen), torch.randn(1, 4, 64, generator=gen)
+        with torch.no_grad():
+            want = ref(block, features, torch.tensor([start]))
+            with reference_cache(cache):
+                got = ours(features, block, torch.arange(start, start + n_ctx), torch.arange(start + n_ctx, start + n_ctx + 4))
+        start += n_ctx
+        cache.truncate(start)
+        assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-5, n_ctx
