@@ -87,3 +87,28 @@ def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[
         return [n_target_layers // 2]
     span = n_target_layers - 4
     return [round(1 + i * span / (n_draft_layers - 1)) for i in range(n_draft_layers)]
+
+
+@dataclass
+class VisionArgs:
+    """A SigLIP-style vision encoder with SmolVLM's connector (``models/vision.py``), for one
+    fixed square image size."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    num_channels: int = 3
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    hidden_dim: int = 64
+    norm_eps: float = 1e-6
+    scale_factor: int = 2  # pixel shuffle: scale_factor**2 neighbouring patches become one token
+    out_dim: int = 64  # the target's width
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def n_image_tokens(self) -> int:
+        return self.n_patches // self.scale_factor**2

@@ -1,0 +1,84 @@
+"""The SmolVLM-style vision encoder against transformers' SmolVLM vision tower and connector,
+weights copied across, on random pixels."""
+
+import pytest
+import torch
+
+from pipeline.models.args import VisionArgs
+from pipeline.models.vision import build_vision
+
+transformers = pytest.importorskip("transformers")
+
+
+def reference_and_ours():
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionTransformer
+
+    config = transformers.SmolVLMConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8, layer_norm_eps=1e-6),
+        text_config=dict(model_type="llama", hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+        scale_factor=2)
+    torch.manual_seed(0)
+    tower, connector = SmolVLMVisionTransformer(config.vision_config).eval(), SmolVLMConnector(config).eval()
+    with torch.no_grad():
+        for name, p in [*tower.named_parameters(), *connector.named_parameters()]:
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name and "weight" in name else 0.1 * torch.randn_like(p))
+    ours = build_vision(VisionArgs(image_size=32, patch_size=8, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                   norm_eps=1e-6, scale_factor=2, out_dim=48), 1)
+    names = {"embeddings.patch_embedding.weight": "patch_embedding.weight", "embeddings.patch_embedding.bias": "patch_embedding.bias",
+             "embeddings.position_embedding.weight": "position_embedding.weight",
+             "post_layernorm.weight": "post_layernorm.weight", "post_layernorm.bias": "post_layernorm.bias"}
+    for i in range(2):
+        r, o = f"encoder.layers.{i}.", f"layers.{i}."
+        for part in ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2", "self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.out_proj"):
+            mine = part.replace("mlp.", "").replace("self_attn.", "attention.")
+            names |= {f"{r}{part}.{w}": f"{o}{mine}.{w}" for w in ("weight", "bias")}
+    theirs = dict(tower.named_parameters())
+    mine = dict(ours.named_parameters())
+    assert set(names) == set(theirs) and set(names.values()) | {"projection.weight"} == set(mine)
+    with torch.no_grad():
+        for r_name, o_name in names.items():
+            mine[o_name].copy_(theirs[r_name])
+        mine["projection.weight"].copy_(connector.modality_projection.proj.weight)
+    return tower, connector, ours
+
+
+def test_vision_features_match_smolvlm():
+    tower, connector, ours = reference_and_ours()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = connector(tower(pixels).last_hidden_state)
+        got = ours(pixels)
+    assert got.shape == want.shape == (2, ours.args.n_image_tokens, 48)
+    assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-5
+
+
+def test_comparison_can_fail():
+    """A pixel shuffle that orders each square's patches column-first is seen."""
+    from pipeline.models import vision
+
+    tower, connector, ours = reference_and_ours()
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+    def column_first(x, scale):
+        b, n, c = x.shape
+        side = int(n**0.5)
+        x = x.view(b, side // scale, scale, side // scale, scale, c)
+        return x.permute(0, 1, 3, 4, 2, 5).reshape(b, n // scale**2, c * scale**2)
+
+    with torch.no_grad():
+        want = connector(tower(pixels).last_hidden_state)
+        real, vision.pixel_shuffle = vision.pixel_shuffle, column_first
+        try:
+            got = ours(pixels)
+        finally:
+            vision.pixel_shuffle = real
+    assert float((got - want).abs().max() / (want.max() - want.min())) > 1e-3
+
+
+def test_wrong_image_size_is_refused():
+    _, _, ours = reference_and_ours()
+    with pytest.raises(ValueError, match=r"takes \[B, 3, 32, 32\]"):
+        ours(torch.zeros(1, 3, 64, 64))
