@@ -82,3 +82,53 @@ def test_wrong_image_size_is_refused():
     _, _, ours = reference_and_ours()
     with pytest.raises(ValueError, match=r"takes \[B, 3, 32, 32\]"):
         ours(torch.zeros(1, 3, 64, 64))
+
+
+def test_muse_glimmer_tower_matches_executorchs():
+    """Muse Glimmer's tower against ExecuTorch's MuseGlimmerVisionEncoder, weights copied, fp32, on a
+    single-tile and a multi-tile image (host inputs from ExecuTorch's precompute)."""
+    from executorch.examples.models.muse_glimmer.model.vision_tower import MuseGlimmerVisionEncoder
+    from executorch.examples.models.muse_glimmer.vision.precompute import MuseGlimmerVisionConfig, precompute_vision_inputs
+
+    from pipeline.models.args import GlimmerVisionArgs
+    from pipeline.models.vision import GlimmerVisionEncoder
+
+    shape = dict(patch_size=14, patch_temporal=2, downsample_factor=2, sparse_attention_factor=4, latent_dim=32,
+                 n_heads=4, n_layers=6, mlp_hidden=64, adapter_dim=48, hidden_size=40, rms_norm_eps=1e-5)
+    config = MuseGlimmerVisionConfig(**shape, pos_emb_grid_h=8, pos_emb_grid_w=8, rope_theta=10000.0, encoder_output_dim=128)
+    torch.manual_seed(0)
+    ref = MuseGlimmerVisionEncoder(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "ln_" in name and name.endswith("weight") else 0.05 * torch.randn_like(p))
+    ours = GlimmerVisionEncoder(GlimmerVisionArgs(**shape)).eval()
+    renames = {".attn.": ".", ".mlp.": "."}
+    theirs = dict(ref.named_parameters())
+    mine = dict(ours.named_parameters())
+    mapped = {}
+    for name in theirs:
+        new = name
+        for a, b in renames.items():
+            new = new.replace(a, b)
+        mapped[name] = new
+    assert set(mapped.values()) == set(mine), "every weight has a counterpart"
+    with torch.no_grad():
+        for r_name, o_name in mapped.items():
+            mine[o_name].copy_(theirs[r_name])
+    table = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    for h, w in ((56, 56), (56, 112 * 5)):  # 4x4 patch grid: one tile; 4x40: several tiles
+        image = torch.rand(3, h, w, generator=torch.Generator().manual_seed(h + w)) * 2 - 1
+        inputs = precompute_vision_inputs(image, table, config).as_args()
+        tiled = not torch.equal(inputs[4], torch.arange(len(inputs[4])))
+        assert tiled == (w > 56), "the wide image spans several tiles: the permutation is exercised"
+        with torch.no_grad():
+            want, got = ref(*inputs).float(), ours(*inputs)
+        assert got.shape == want.shape
+        assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-5, (h, w)
+    # the same comparison sees the wrong layers attending per tile (on the multi-tile image)
+    import dataclasses
+
+    ours.args = dataclasses.replace(ours.args, sparse_attention_factor=3)
+    with torch.no_grad():
+        want, got = ref(*inputs).float(), ours(*inputs)
+    assert float((got - want).abs().max() / (want.max() - want.min())) > 1e-3

@@ -112,3 +112,28 @@ class VisionArgs:
     @property
     def n_image_tokens(self) -> int:
         return self.n_patches // self.scale_factor**2
+
+
+@dataclass
+class GlimmerVisionArgs:
+    """Muse Glimmer's vision tower (``models/vision.py``), in the names of ExecuTorch's
+    ``MuseGlimmerVisionConfig``; its inputs are precomputed on the host (``vision/precompute.py``)."""
+
+    patch_size: int = 14
+    patch_temporal: int = 2
+    downsample_factor: int = 2
+    sparse_attention_factor: int = 4  # every 4th layer (and the last) is global; the others attend per tile
+    latent_dim: int = 32
+    n_heads: int = 4
+    n_layers: int = 6
+    mlp_hidden: int = 64
+    adapter_dim: int = 48
+    hidden_size: int = 40  # the target's width
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def patch_dim(self) -> int:
+        return self.patch_temporal * 3 * self.patch_size**2
+
+    def layer_is_global(self, i: int) -> bool:
+        return i == self.n_layers - 1 or (i + 1) % self.sparse_attention_factor == 0

@@ -6,13 +6,18 @@ connector folds each ``scale_factor x scale_factor`` square of patch features in
 (pixel shuffle) and projects it to the target's width. The image's tokens replace the embeddings of
 the prompt's image placeholder tokens. ``transformers``' SmolVLM vision tower and connector are the
 reference (``tests/test_vision.py``).
+
+Muse Glimmer's tower (``GlimmerVisionEncoder``) is the other family: host-precomputed inputs,
+2D RoPE, per-tile attention on most layers, a 2x2 downsample, an adapter and a scaleless RMSNorm;
+ExecuTorch's ``muse_glimmer.model.vision_tower`` is its reference.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.models.args import VisionArgs
+from pipeline.models.args import GlimmerVisionArgs, VisionArgs
+from pipeline.models.transformer import rope
 
 
 class VisionAttention(nn.Module):
@@ -89,3 +94,63 @@ def build_vision(args: VisionArgs, seed: int) -> VisionEncoder:
     finally:
         torch.random.set_rng_state(state)
     return encoder.eval().requires_grad_(False)
+
+
+# --- Muse Glimmer's tower: host-precomputed patches, positions, 2D RoPE and tilings ---
+
+
+class GlimmerVisionBlock(nn.Module):
+    """Pre-LayerNorm block: biased q/k/v/o, 2D RoPE on adjacent pairs, attention under a given mask,
+    an erf-GELU MLP."""
+
+    def __init__(self, a: GlimmerVisionArgs):
+        super().__init__()
+        self.n_heads, self.head_dim = a.n_heads, a.latent_dim // a.n_heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(a.latent_dim), nn.LayerNorm(a.latent_dim)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(a.latent_dim, a.latent_dim) for _ in range(4))
+        self.c_fc, self.c_proj = nn.Linear(a.latent_dim, a.mlp_hidden), nn.Linear(a.mlp_hidden, a.latent_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        h = self.ln_1(x)
+        b, p, _ = h.shape
+
+        def heads(t):
+            return t.view(b, p, self.n_heads, self.head_dim)
+
+        q = rope(heads(self.q_proj(h)), cos, sin, interleaved=True).transpose(1, 2)
+        k = rope(heads(self.k_proj(h)), cos, sin, interleaved=True).transpose(1, 2)
+        scores = (q @ k.transpose(-1, -2)).float() * self.head_dim**-0.5
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        x = x + self.o_proj((weights @ heads(self.v_proj(h)).transpose(1, 2)).transpose(1, 2).reshape(b, p, -1))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GlimmerVisionEncoder(nn.Module):
+    """Host inputs (ExecuTorch's ``precompute_vision_inputs``: patches, interpolated position
+    embeddings, 2D RoPE tables, the tile permutation and its inverse, the global and per-tile masks,
+    the pixel-shuffle gather) -> image tokens [1, P / f^2, hidden_size]."""
+
+    def __init__(self, a: GlimmerVisionArgs):
+        super().__init__()
+        self.args = a
+        self.conv1_linear = nn.Linear(a.patch_dim, a.latent_dim, bias=False)
+        self.ln_pre, self.ln_post = nn.LayerNorm(a.latent_dim), nn.LayerNorm(a.latent_dim)
+        self.blocks = nn.ModuleList(GlimmerVisionBlock(a) for _ in range(a.n_layers))
+        self.adapter_fc = nn.Linear(a.latent_dim * a.downsample_factor**2, a.adapter_dim, bias=False)
+        self.adapter_proj = nn.Linear(a.adapter_dim, a.adapter_dim, bias=False)
+        self.vision_proj = nn.Linear(a.adapter_dim, a.hidden_size, bias=False)
+
+    def forward(self, patches: Tensor, pos_emb: Tensor, cos_2d: Tensor, sin_2d: Tensor, sparse_perm: Tensor,
+                inv_perm: Tensor, global_mask: Tensor, sparse_mask: Tensor, pixel_perm: Tensor) -> Tensor:
+        a = self.args
+        x = self.ln_pre(self.conv1_linear(patches) + pos_emb.to(patches.dtype))
+        # tiles contiguous: global layers see every patch, the others one tile (the masks say which)
+        x, cos, sin = x.index_select(1, sparse_perm), cos_2d.index_select(0, sparse_perm), sin_2d.index_select(0, sparse_perm)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, global_mask if a.layer_is_global(i) else sparse_mask)
+        x = self.ln_post(x.index_select(1, inv_perm))
+        # 2x2 downsample: the gather groups each square's f*f patches; features are patch-minor
+        f, d = a.downsample_factor, a.latent_dim
+        x = x[0].index_select(0, pixel_perm).view(-1, f * f, d).transpose(1, 2).reshape(1, -1, d * f * f)
+        x = self.vision_proj(F.gelu(self.adapter_proj(F.gelu(self.adapter_fc(x)))))
+        return F.rms_norm(x, (a.hidden_size,), None, a.rms_norm_eps)
