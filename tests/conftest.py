@@ -47,3 +47,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def gguf_writer(path: Path, arch: str, *, n_layers: int, dim: int, hidden_dim: int, n_heads: int, n_kv_heads: int,
+                norm_eps: float, rope_base: float, vocab_size: int):
+    """A gguf.GGUFWriter for ``arch`` with llama.cpp's decoder metadata written."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(hidden_dim)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_layer_norm_rms_eps(norm_eps)
+    w.add_rope_freq_base(rope_base)
+    w.add_vocab_size(vocab_size)
+    return w

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose_config
+from conftest import compose_config, gguf_writer
 from pipeline.errors import BuildError, ConfigError
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.args import model_args
@@ -330,15 +330,8 @@ def write_llama_gguf(path: Path, model, qtype: str) -> None:
     from pipeline.models.loaders.gguf import NAMES
 
     a = model.args
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(a.n_layers)
-    w.add_embedding_length(a.dim)
-    w.add_feed_forward_length(a.hidden_dim)
-    w.add_head_count(a.n_heads)
-    w.add_head_count_kv(a.n_kv_heads)
-    w.add_layer_norm_rms_eps(a.norm_eps)
-    w.add_rope_freq_base(a.rope_base)
-    w.add_vocab_size(a.vocab_size)
+    w = gguf_writer(path, "llama", n_layers=a.n_layers, dim=a.dim, hidden_dim=a.hidden_dim, n_heads=a.n_heads,
+                    n_kv_heads=a.n_kv_heads, norm_eps=a.norm_eps, rope_base=a.rope_base, vocab_size=a.vocab_size)
     ours_to_gguf = {}
     for pattern, ours in NAMES:
         for i in range(a.n_layers):

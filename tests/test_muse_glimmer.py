@@ -8,7 +8,7 @@ import pytest
 import torch
 from executorch.examples.models.muse_glimmer.model.model import MuseGlimmerConfig, MuseGlimmerModel
 
-from conftest import compose_config
+from conftest import compose_config, gguf_writer
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.args import ModelArgs, model_args
 from pipeline.models.families import FAMILIES
@@ -151,7 +151,6 @@ def write_gguf(path, ref, c: MuseGlimmerConfig) -> None:
     """ExecuTorch's Muse Glimmer as a GGUF: tensor names from its own loader's map (every name of
     llama.cpp's vocabulary that ``gguf_to_model_key`` takes), its weightless q/k norms as ones,
     the config as metadata."""
-    import gguf
     from executorch.examples.models.muse_glimmer.loaders.checkpoint_loader import gguf_to_model_key
 
     roles = ["attn_q", "attn_k", "attn_v", "attn_output", "attn_output_gate", "attn_norm", "ffn_norm",
@@ -162,16 +161,9 @@ def write_gguf(path, ref, c: MuseGlimmerConfig) -> None:
     to_gguf = {gguf_to_model_key(n): n for n in candidates if gguf_to_model_key(n) in theirs}
     assert set(to_gguf) == set(theirs), "ExecuTorch's loader names every parameter"
     windows = [c.layer_window_size(i) for i in range(c.n_layers)]
-    w = gguf.GGUFWriter(str(path), "muse_glimmer")
-    w.add_block_count(c.n_layers)
-    w.add_embedding_length(c.dim)
-    w.add_feed_forward_length(c.ffn_dim)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
+    w = gguf_writer(path, "muse_glimmer", n_layers=c.n_layers, dim=c.dim, hidden_dim=c.ffn_dim, n_heads=c.n_heads,
+                    n_kv_heads=c.n_kv_heads, norm_eps=c.norm_eps, rope_base=c.rope_theta, vocab_size=c.vocab_size)
     w.add_key_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_vocab_size(c.vocab_size)
     w.add_sliding_window(max(windows))
     w.add_array("muse_glimmer.attention.sliding_window_pattern", [bool(x) for x in windows])
     w.add_float32("muse_glimmer.attention.scale", 43.7840518911 / math.sqrt(c.head_dim) / math.sqrt(c.head_dim))

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from pipeline.kv.op import default_scale
 from pipeline.models.args import DraftArgs, LayerKV
-from pipeline.models.transformer import FeedForward, RMSNorm, rope
+from pipeline.models.transformer import FeedForward, RMSNorm, rope, seeded
 
 
 class DraftAttention(nn.Module):
@@ -93,14 +93,7 @@ class DFlashDraft(nn.Module):
 
 
 def build_draft(args: DraftArgs, seed: int) -> DFlashDraft:
-    """Random-initialised from ``seed``, as ``transformer.build_model``."""
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        draft = DFlashDraft(args)
-    finally:
-        torch.random.set_rng_state(state)
-    return draft.eval().requires_grad_(False)
+    return seeded(lambda: DFlashDraft(args), seed)
 
 
 def tapped_features(hidden_states: list[Tensor], layer_ids) -> Tensor:

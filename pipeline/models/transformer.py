@@ -165,15 +165,20 @@ class Transformer(nn.Module):
         return logits * a.logit_multiplier if a.logit_multiplier != 1.0 else logits
 
 
-def build_model(args: ModelArgs, seed: int) -> Transformer:
-    """Random-initialised from ``seed``: same seed, same weights, on any machine."""
+def seeded(make, seed: int) -> nn.Module:
+    """``make()`` random-initialised from ``seed`` (the global generator restored after), in eval mode
+    without gradients: same seed, same weights, on any machine."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Transformer(args)
+        module = make()
     finally:
         torch.random.set_rng_state(generator_state)
-    return model.eval().requires_grad_(False)
+    return module.eval().requires_grad_(False)
+
+
+def build_model(args: ModelArgs, seed: int) -> Transformer:
+    return seeded(lambda: Transformer(args), seed)
 
 
 # --- methods of a solo artifact: thin views that torch.export traces one by one ---

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.models.args import GlimmerVisionArgs, VisionArgs
-from pipeline.models.transformer import rope
+from pipeline.models.transformer import rope, seeded
 
 
 class VisionAttention(nn.Module):
@@ -87,13 +87,7 @@ class VisionEncoder(nn.Module):
 
 
 def build_vision(args: VisionArgs, seed: int) -> VisionEncoder:
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        encoder = VisionEncoder(args)
-    finally:
-        torch.random.set_rng_state(state)
-    return encoder.eval().requires_grad_(False)
+    return seeded(lambda: VisionEncoder(args), seed)
 
 
 # --- Muse Glimmer's tower: host-precomputed patches, positions, 2D RoPE and tilings ---
