@@ -55,7 +55,8 @@ class SeqState:
 class Pool:
     """A layout's per-session state beyond the sequences' columns and lengths (the cell pool), with
     the transactional steps the session takes: ``choose`` what a step will write (nothing taken),
-    ``buffers`` for the step, ``commit`` once the program ran, ``release`` a sequence."""
+    ``commit`` once the program ran, ``release`` a sequence (the step's buffers are the layout's
+    ``step_buffer_values``)."""
 
     def choose(self, n_tokens: int) -> list[int]:
         return []

@@ -95,9 +95,3 @@ class DFlashDraft(nn.Module):
 def build_draft(args: DraftArgs, seed: int) -> DFlashDraft:
     return seeded(lambda: DFlashDraft(args), seed)
 
-
-def tapped_features(hidden_states: list[Tensor], layer_ids) -> Tensor:
-    """The draft's context input from a target's per-layer outputs (``hidden_states[i]``: output of
-    layer i): concatenated along the width, in ``target_layer_ids`` order."""
-    return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
-

@@ -54,16 +54,13 @@ def _example_step_buffers(layout: KVLayout, n_tokens: int) -> tuple[torch.Tensor
     )
 
 
-def lower_offgraph_kv(
-    ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs,
-    sdpa_varlen=torch.ops.kvcache.sdpa_varlen.default, sdpa_plan=None,
-) -> ExportedProgram:
-    """Rewrite every neutral KV node of ``ep``; ``sdpa_varlen`` picks the kernel (ATen or Triton).
-
-    With ``sdpa_plan`` (``kvcache::sdpa_varlen_plan``), ``sdpa_varlen`` is the planned form
-    (``kvcache::sdpa_varlen_attend``): one plan per layer kind, shared by its layers. The store
-    index math and the attention call are the layout's (``KVLayout.write_slots`` / ``attend``)."""
-    kernel = {"sdpa_varlen": sdpa_varlen} | ({"sdpa_plan": sdpa_plan} if sdpa_plan is not None else {})
+def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs, kernel: dict | None = None) -> ExportedProgram:
+    """Rewrite every neutral KV node of ``ep``; ``kernel`` (``Backend.attention_kernel()``) picks the
+    attention: ``{"sdpa_varlen": op}`` (default: the ATen ``kvcache::sdpa_varlen``), or with
+    ``"sdpa_plan"`` (``kvcache::sdpa_varlen_plan``) the planned form (``kvcache::sdpa_varlen_attend``):
+    one plan per layer kind, shared by its layers. The store index math and the attention call are the
+    layout's (``KVLayout.write_slots`` / ``attend``)."""
+    kernel = kernel or {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen.default}
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
     unlifted = ep.module()

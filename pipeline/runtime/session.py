@@ -31,6 +31,9 @@ class Session:
         self.manifest = json.loads((artifact_dir / "manifest.json").read_text())
         self._tokenizer = None
         self.kv = self.manifest["target"]
+        # the layout's index math and its own state (the cell pool): the session never asks which layout
+        self.kv_layout = layout_from_manifest(self.kv)
+        self.pool = self.kv_layout.pool()
         self._methods = {}
         if methods is None:
             from executorch.runtime import Runtime
@@ -48,9 +51,6 @@ class Session:
         self.max_length = self.kv["max_seq_len"]  # tokens per sequence; None: unbounded (ring layers only)
         self.vocab_size = self.kv["vocab_size"]
         self.seqs: dict[object, SeqState] = {}
-        # the layout's own state (the cell pool) and index math: the session never asks which layout
-        self.kv_layout = layout_from_manifest(self.kv)
-        self.pool = self.kv_layout.pool()
 
     def method(self, name: str):
         if name not in self._methods:
@@ -58,7 +58,7 @@ class Session:
         return self._methods[name]
 
     def _check_constants(self) -> None:
-        expect = constant_methods(layout_from_manifest(self.kv), self.kv["vocab_size"])
+        expect = constant_methods(self.kv_layout, self.kv["vocab_size"])
         for name, value in expect.items():
             got = self.constant(name)
             if got != value:

@@ -18,5 +18,5 @@ def run(kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
             lowered[name] = ep  # embed_text reads no cache
             continue
         print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {layout.layout} store + attention", flush=True)
-        lowered[name] = lower_offgraph_kv(ep, layout, spec, **kernel)
+        lowered[name] = lower_offgraph_kv(ep, layout, spec, kernel)
     return {"layout": layout, "lowered": lowered, "kv_manifest": kv_section(layout, inputs["model"].args.vocab_size)}
