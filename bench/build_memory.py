@@ -41,7 +41,7 @@ def estimate(overrides) -> dict:
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
         cfg = resolve_model(compose("config", overrides=list(overrides)), list(overrides))
     args = model_args(cfg.model)
-    return memory_estimate(build_layout(cfg.kv, args), args, cfg.model.dtype)
+    return memory_estimate({"target": build_layout(cfg.kv, args)}, args, cfg.model.dtype)
 
 
 def peak_rss(overrides) -> tuple[float, float]:

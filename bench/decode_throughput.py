@@ -3,7 +3,7 @@
 For S in --seqs and each layout: build (or reuse) `kv=<layout> kv.max_seqs=S`, prefill S
 sequences to --context tokens, then time decode steps of one token per sequence.
 `session step` is the whole Python serving step (embed_text + decode + step buffers);
-`method` is forward_from_embeddings.execute alone on the same inputs.
+`method` is target_forward_from_embeddings.execute alone on the same inputs.
 
     python bench/decode_throughput.py [--seqs 1 2 4 8] [--layouts sequence cell] [--context 64]
 """
@@ -49,7 +49,7 @@ def measure(version: Path, seqs: int, context: int, steps: int) -> dict:
         for start in range(0, context, s.max_step_tokens):
             s.step({i: [7] * min(s.max_step_tokens, context - start)})
     step_times, method_times = [], []
-    decode = s.method("forward_from_embeddings")
+    decode = s.method("target_forward_from_embeddings")
     rows = torch.arange(seqs)
     for _ in range(steps):
         t0 = time.perf_counter()

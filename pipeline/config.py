@@ -29,11 +29,27 @@ class ModelConfig(ModelArgs):
     checkpoint: str | None = None
     seed: int = 0  # weights are random-initialised from this seed: no downloads
     dtype: str = "float32"  # compute dtype of the exported program: float32 | bfloat16 | float16
+    causal: bool = True  # the target's attention rule (a draft is non-causal whatever this says)
 
 
 @dataclass
 class DraftConfig:
+    """A DFlash draft (``models/dflash.py``) in the reference's names; ``name: none``: no draft. Its
+    width, embeddings and output head are the target's."""
+
     name: str = "none"
+    block_size: int = 8  # positions a block proposes from: the last accepted token, then mask tokens
+    num_hidden_layers: int = 1
+    target_layer_ids: list[int] | None = None  # tapped target layers; null: the reference's formula
+    mask_token_id: int = 0
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    hidden_dim: int = 176
+    norm_eps: float = 1e-6
+    rope_base: float = 10000.0
+    seed: int = 1  # weights random from this seed, unless a checkpoint is given
+    checkpoint: str | None = None  # a DFlash checkpoint directory (config.json + safetensors)
 
 
 @dataclass
@@ -47,7 +63,6 @@ class KVConfig:
     max_seqs: int = 1  # sequences one artifact serves; 1 = solo
     capacity: int = 128  # sequence: context per sequence; cell: cells in the shared pool
     max_step_tokens: int = 16  # widest step (prefill chunk) a method accepts
-    causal: bool = True
     dtype: str = "float32"
 
 

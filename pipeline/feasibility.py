@@ -37,9 +37,10 @@ def episode_sequences(validate_cfg, max_seqs: int) -> list[tuple[int, int]]:
     return shape
 
 
-def memory_estimate(layout: KVLayout, args: ModelArgs, model_dtype: str) -> dict[str, float]:
-    """Bytes: the KV stores, the weights, and the build's estimated peak."""
-    kv = sum(layout.kv_bytes_per_layer())
+def memory_estimate(layouts: dict[str, KVLayout], args: ModelArgs, model_dtype: str) -> dict[str, float]:
+    """Bytes: the KV stores (every model's), the target's weights, and the build's estimated peak."""
+    layout = layouts["target"]
+    kv = sum(sum(each.kv_bytes_per_layer()) for each in layouts.values())
     weights = args.n_parameters() * DTYPE_BYTES[model_dtype]
     gather = layout.attention_scratch_bytes()
     return {"kv": kv, "weights": weights,
@@ -73,7 +74,28 @@ def check_model(args: ModelArgs) -> None:
                           f"model.sliding_window={args.sliding_window}; give ring layers a window of at least 1")
 
 
-def check_episode(validate_cfg, layout: KVLayout) -> None:
+def check_draft(draft, target: ModelArgs, draft_cfg) -> None:
+    """The draft against the target it serves: shared vocabulary and width are the target's by
+    construction; its tapped layers must exist, its mask token be a token, its heads fit."""
+    n = target.n_layers
+    if bad := [i for i in draft.target_layer_ids if not 0 <= i < n]:
+        raise ConfigError(f"draft.target_layer_ids={list(draft.target_layer_ids)} names layer {bad[0]}, but the target "
+                          f"has model.n_layers={n} (layers 0..{n - 1}); choose tapped layers the target has")
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        raise ConfigError(f"draft.mask_token_id={draft.mask_token_id} is not a token of the target's vocabulary "
+                          f"(model.vocab_size={target.vocab_size}: 0..{target.vocab_size - 1})")
+    if draft.block_size < 2:
+        raise ConfigError(f"draft.block_size={draft.block_size} must be at least 2: the last accepted token and a proposal")
+    for name in ("num_hidden_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim"):
+        if getattr(draft, name) < 1:
+            raise ConfigError(f"draft.{name}={getattr(draft, name)} must be a positive integer")
+    if draft.n_heads % draft.n_kv_heads:
+        raise ConfigError(f"draft.n_heads={draft.n_heads} is not a multiple of draft.n_kv_heads={draft.n_kv_heads}")
+    if draft.head_dim % 2:
+        raise ConfigError(f"draft.head_dim={draft.head_dim} is odd; RoPE rotates pairs, choose an even one")
+
+
+def check_episode(validate_cfg, layout: KVLayout, draft=None) -> None:
     """The validate stage's episode must fit in the artifact it validates."""
     lengths = list(validate_cfg.prompt_lengths)
     if not lengths or min(lengths) < 1:
@@ -82,7 +104,9 @@ def check_episode(validate_cfg, layout: KVLayout) -> None:
         raise ConfigError(f"validate.decode_steps={validate_cfg.decode_steps} must be at least 1")
     if not validate_cfg.tolerance > 0:
         raise ConfigError(f"validate.tolerance={validate_cfg.tolerance} must be positive")
-    totals = sorted((p + d for p, d in episode_sequences(validate_cfg, layout.max_seqs)), reverse=True)
+    # a speculative round may write a block past the last token it keeps
+    spill = draft.block_size - 1 if draft is not None else 0
+    totals = sorted((p + d + spill for p, d in episode_sequences(validate_cfg, layout.max_seqs)), reverse=True)
     if layout.max_seq_len is not None and totals[0] > layout.max_seq_len:
         raise ConfigError(
             f"kv.capacity={layout.capacity} is too small for the validation episode: its longest sequence has "
@@ -91,9 +115,10 @@ def check_episode(validate_cfg, layout: KVLayout) -> None:
     layout.check_episode(totals, "validate.prompt_lengths / validate.decode_steps")
 
 
-def check_memory(layout: KVLayout, args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:
+def check_memory(layouts: dict[str, KVLayout], args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:
     """The build's estimated peak against ``memory_budget_gb`` (None: this machine's memory)."""
-    estimate = memory_estimate(layout, args, model_dtype)
+    layout = layouts["target"]
+    estimate = memory_estimate(layouts, args, model_dtype)
     budget = machine_memory() if budget_gb is None else budget_gb * GB
     where = "this machine's memory; set memory_budget_gb to change it" if budget_gb is None else f"memory_budget_gb={budget_gb}"
     if estimate["peak"] > budget:

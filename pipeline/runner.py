@@ -36,9 +36,9 @@ def check_config(cfg: DictConfig) -> list:
     the model's shapes, the KV layout, the validation episode against it and the build's memory."""
     from pipeline.backends import backend
     from pipeline.config import DTYPES, GPU_RUNTIMES, METRICS, unknown_settings
-    from pipeline.feasibility import check_episode, check_memory, check_model
-    from pipeline.kv.layouts import build_layout
-    from pipeline.models.args import model_args
+    from pipeline.feasibility import check_draft, check_episode, check_memory, check_model
+    from pipeline.kv.layouts import model_layouts
+    from pipeline.models.args import draft_args, model_args
     from pipeline.models.families import family
 
     if unknown := unknown_settings(cfg):
@@ -53,18 +53,21 @@ def check_config(cfg: DictConfig) -> list:
         raise ConfigError(f"validate.metric={cfg.validate.metric} is not a metric; choose {' or '.join(METRICS)}")
     if cfg.validate.runtime not in GPU_RUNTIMES:
         raise ConfigError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose {' or '.join(GPU_RUNTIMES)}")
-    for group in ("draft", "vision"):
-        if cfg[group].name != "none":
-            raise ConfigError(f"{group}={cfg[group].name} is not supported yet; use {group}=none")
+    if cfg.vision.name != "none":
+        raise ConfigError(f"vision={cfg.vision.name} is not supported yet; use vision=none")
     if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
     args = model_args(cfg.model)
     check_model(args)
-    layout = build_layout(cfg.kv, args)
+    draft = None
+    if cfg.draft.name != "none":
+        draft = draft_args(cfg.draft, args)
+        check_draft(draft, args, cfg.draft)
+    layouts = model_layouts(cfg.kv, args, cfg.model.causal, draft)
     if "validate" in stages:
-        check_episode(cfg.validate, layout)
+        check_episode(cfg.validate, layouts["target"], draft)
     if "lower_kv" in stages:  # the KV stores exist from lower_kv on
-        check_memory(layout, args, cfg.model.dtype, cfg.memory_budget_gb)
+        check_memory(layouts, args, cfg.model.dtype, cfg.memory_budget_gb)
     needs_gpu = {"compile", "validate"} & stages
     if target.needs_gpu and needs_gpu:
         import torch
@@ -97,6 +100,22 @@ def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         name, implied = checkpoint_config(cfg.model.checkpoint)
         impose({"family": name, **implied}, f"model.checkpoint={cfg.model.checkpoint}")
     impose(family(cfg.model.family).options, f"model.family={cfg.model.family}")
+    if cfg.draft.name != "none" and cfg.draft.checkpoint:
+        from pipeline.models.loaders.dflash import read_config
+
+        implied = read_config(cfg.draft.checkpoint)
+        source = f"draft.checkpoint={cfg.draft.checkpoint}"
+        for key, want in (("hidden_size", cfg.model.dim), ("vocab_size", cfg.model.vocab_size)):
+            got = implied.pop(key)
+            if got != want:
+                setting = "model.dim" if key == "hidden_size" else "model.vocab_size"
+                raise ConfigError(f"{source} has {key}={got}, but the target has {setting}={want}: the draft shares the "
+                                  "target's embeddings and head; choose a draft trained for this target")
+        for key, value in implied.items():
+            if f"draft.{key}" in given and cfg.draft[key] != value:
+                raise ConfigError(f"draft.{key}={cfg.draft[key]} contradicts {source}, which has {key}={value}; "
+                                  "drop the override")
+        cfg.draft.merge_with(implied)
     return cfg
 
 
@@ -285,9 +304,14 @@ def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cf
         "artifacts": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
                       for p in sorted(work.iterdir()) if p.is_file()},
     }
-    if "kv_manifest" in artifacts:
-        record["kv_bytes_per_layer"] = artifacts["kv_manifest"]["kv_bytes_per_layer"]
-        record["kv_bytes_total"] = artifacts["kv_manifest"]["kv_bytes_total"]
+    # one section per model of the artifact: its weights and, once lowered, its KV stores
+    models = {name: {"weights_sha256": digest} for name, digest in record["inputs"].items()}
+    for name, kv in artifacts.get("kv_sections", {}).items():
+        models.setdefault(name, {}).update(layout=kv["layout"], causal=kv["causal"],
+                                           kv_bytes_per_layer=kv["kv_bytes_per_layer"], kv_bytes_total=kv["kv_bytes_total"])
+    record["models"] = models
+    if "kv_sections" in artifacts:
+        record["kv_bytes_total"] = sum(m["kv_bytes_total"] for m in models.values())
     if "validation" in artifacts:
         record["validation_passed"] = artifacts["validation"]["passed"]
     (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -314,15 +338,19 @@ def _heartbeat(name: str, every: float = 60.0):
 
 
 def _input_hashes(artifacts: dict) -> dict:
-    if "model" not in artifacts:
-        return {}
+    """sha256 of each eager model's weights, by model name."""
     from pipeline.runtime.aoti import tensor_bytes
 
-    digest = hashlib.sha256()
-    for name, tensor in sorted(artifacts["model"].state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor_bytes(tensor))
-    return {"model_weights_sha256": digest.hexdigest()}
+    hashes = {}
+    for name, key in (("target", "model"), ("draft", "draft")):
+        if artifacts.get(key) is None:
+            continue
+        digest = hashlib.sha256()
+        for tensor_name, tensor in sorted(artifacts[key].state_dict().items()):
+            digest.update(tensor_name.encode())
+            digest.update(tensor_bytes(tensor))
+        hashes[name] = digest.hexdigest()
+    return hashes
 
 
 def _summary(version: Path, record: dict) -> None:

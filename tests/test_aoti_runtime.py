@@ -17,15 +17,16 @@ OVERRIDES = ("kv=cell", "kv.max_seqs=2", "kv.capacity=128", "backend=portable", 
 
 
 def _recipe(cfg, **model_changes):
-    return validate.graphs_recipe(OmegaConf.merge(cfg.model, model_changes), cfg.kv, cfg.backend)
+    return validate.graphs_recipe({"model": OmegaConf.merge(cfg.model, model_changes), "draft": cfg.draft,
+                                   "kv": cfg.kv, "backend": cfg.backend})
 
 
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("aoti")
     cfg = compose_config(*OVERRIDES)
-    exported = export.run(cfg.model, cfg.kv, {}, tmp)
-    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp)
+    exported = export.run(cfg.model, cfg.draft, cfg.kv, {}, tmp)
+    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp)
     compile_stage.run(cfg.backend, {**exported, **lowered}, tmp)  # manifest.json for the session
     return cfg, exported["model"], backend("portable").programs(lowered["lowered"]), tmp
 

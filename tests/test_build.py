@@ -44,7 +44,7 @@ def test_program_matches_oracle_directly(build_dir):
     tokens = torch.randint(0, cfg.model.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
     emb = program.load_method("embed_text").execute([tokens])[0]
     seq_info = torch.tensor([[0, 0, 12, 0], [0, 0, 0, 0]])
-    got = program.load_method("forward_from_embeddings").execute([emb, torch.arange(12), torch.tensor([11]), seq_info, seq_info])[0]
+    got = program.load_method("target_forward_from_embeddings").execute([emb, torch.arange(12), torch.tensor([11]), seq_info, seq_info])[0]
     with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():
         want = model.logits(model.hidden(model.embed(tokens), torch.arange(12))[-1:])
     assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-4
@@ -129,8 +129,8 @@ def test_kv_bytes_match_planned_stores(build_dir):
         version = build_dir(*overrides)
         record = json.loads((version / "build.json").read_text())
         planned = planned_stores(version / "model.pte")
-        assert set(planned) == {"forward_from_embeddings"}
-        forward = planned["forward_from_embeddings"]
+        assert set(planned) == {"target_forward_from_embeddings"}
+        forward = planned["target_forward_from_embeddings"]
         assert sum(b for b, _, _ in forward.values()) == record["kv_bytes_total"]
         per_layer = [forward[f"kv_store.k_{i}"][0] + forward[f"kv_store.v_{i}"][0] for i in range(len(record["kv_bytes_per_layer"]))]
         assert per_layer == record["kv_bytes_per_layer"]
@@ -143,7 +143,7 @@ def test_bf16_build_records_its_weights(tmp_path):
     version = build(compose_config(f"output_root={tmp_path}", "model.dtype=bfloat16", "kv.dtype=bfloat16",
                                    "stages=[export,lower_kv]"))
     record = json.loads((version / "build.json").read_text())
-    assert len(record["inputs"]["model_weights_sha256"]) == 64
+    assert len(record["inputs"]["target"]) == 64
 
 
 def test_ring_only_model_past_capacity(build_dir):

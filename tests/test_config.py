@@ -70,7 +70,7 @@ BAD_INPUT = [
     (["unknown_key=1"], ["unknown_key=1 is not a setting"]),
     (["+kv.foo=1"], ["kv.foo=1 is not a setting", "max_seqs, capacity"]),
     (["kv.max_seqs=abc"], ["kv.max_seqs=abc is not an integer"]),
-    (["kv.causal=maybe"], ["kv.causal=maybe is not a boolean"]),
+    (["model.causal=maybe"], ["model.causal=maybe is not a boolean"]),
     (["validate.prompt_lengths=[a,b]"], ["validate.prompt_lengths", "list of integers"]),
     (["-m", "kv.max_seqs=1,abc"], ["kv.max_seqs=abc is not an integer"]),
     (["~kv.dtype"], ["~kv.dtype", "cannot be deleted"]),

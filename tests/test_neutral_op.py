@@ -30,12 +30,12 @@ def pipeline_works() -> None:
     from pipeline.stages import export, lower_kv
 
     cfg = compose_config()
-    exported = export.run(cfg.model, cfg.kv, {}, None)
-    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, None)
+    exported = export.run(cfg.model, cfg.draft, cfg.kv, {}, None)
+    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, None)
     model = exported["model"]
     with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():
         model.logits(model.hidden(model.embed(torch.arange(5)), torch.arange(5)))
-    assert set(lowered["lowered"]) == {"embed_text", "forward_from_embeddings"}
+    assert set(lowered["lowered"]) == {"embed_text", "target_forward_from_embeddings"}
 
 
 @pytest.mark.parametrize("first", ["pipeline", "executorch"])

@@ -339,10 +339,10 @@ def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
     monkeypatch.setattr(K, "MIN_CHUNK", 16)  # and splits even on short histories
     cfg = compose_config("kv=sequence", "kv.max_seqs=2", "kv.max_step_tokens=8", "backend=cuda",
                          "validate.prompt_lengths=[11,4,13]", "validate.decode_steps=12")
-    exported = export.run(cfg.model, cfg.kv, {}, tmp_path)
-    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp_path)
-    kinds = {layer["kind"] for layer in lowered["kv_manifest"]["layers"]}
-    for name in ("forward_from_embeddings",):
+    exported = export.run(cfg.model, cfg.draft, cfg.kv, {}, tmp_path)
+    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp_path)
+    kinds = {layer["kind"] for layer in lowered["kv_sections"]["target"]["layers"]}
+    for name in ("target_forward_from_embeddings",):
         targets = [str(n.target) for n in lowered["lowered"][name].graph.nodes if n.op == "call_function"]
         assert targets.count("kvcache.sdpa_varlen_plan.default") == len(kinds)  # once per layer kind
         assert targets.count("kvcache.sdpa_varlen_attend.default") == cfg.model.n_layers
@@ -355,7 +355,7 @@ def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
         runners[name] = lambda args, m=module: [m(*args)]
     methods = {name: [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
                for name, ep in lowered["lowered"].items()}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest(lowered["kv_manifest"], "cuda", "-", [], methods)))
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(lowered["kv_sections"], "cuda", "-", [], methods)))
     session = Session(tmp_path, methods=runners)
     model = exported["model"]
     scripts = validate.plan(cfg.validate, session.max_seqs, model.args.vocab_size)

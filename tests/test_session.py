@@ -73,7 +73,7 @@ class Oracle:
 
         cfg = compose_config(*overrides)
         self.model = build_model(model_args(cfg.model), cfg.model.seed)
-        self.causal = cfg.kv.causal
+        self.causal = cfg.model.causal
         self.caches = {}
 
     def add(self, seq_id):
@@ -156,19 +156,19 @@ def test_program_failure_leaves_the_session_as_it_was(build_dir, layout):
         s.add(seq_id)
         oracle.add(seq_id)
     step_and_check(s, oracle, {seq_id: [5 + i, 9, 2, 40 + i] for i, seq_id in enumerate(ids)})
-    real = s.method("forward_from_embeddings")
+    real = s.method("target_forward_from_embeddings")
 
     class WritesThenFails:
         def execute(self, args):
             real.execute(args)  # the stores now hold this step's rows
             raise RuntimeError("injected failure after the program ran")
 
-    s._methods["forward_from_embeddings"] = WritesThenFails()
+    s._methods["target_forward_from_embeddings"] = WritesThenFails()
     before = snapshot(s)
     with pytest.raises(SessionError, match="program failed.*injected failure.*session is unchanged"):
         s.step({seq_id: [100, 200, 300] for seq_id in ids})
     assert_same(before, snapshot(s))
-    s._methods["forward_from_embeddings"] = real
+    s._methods["target_forward_from_embeddings"] = real
     for token in (8, 21, 34):  # decodes: the failed step's last two rows (or cells) lie past every length
         step_and_check(s, oracle, {seq_id: [token] for seq_id in ids})
     step_and_check(s, oracle, {seq_id: [55, 89] for seq_id in ids})

@@ -17,23 +17,23 @@ def staged(tmp_path_factory):
     cfg = compose_config("backend=portable")
     work = tmp_path_factory.mktemp("stages")
     out = {"cfg": cfg, "work": work}
-    out["export"] = export.run(cfg.model, cfg.kv, {}, work)
-    out["lower_kv"] = lower_kv.run(cfg.kv, cfg.backend, out["export"], work)
+    out["export"] = export.run(cfg.model, cfg.draft, cfg.kv, {}, work)
+    out["lower_kv"] = lower_kv.run(cfg.model, cfg.kv, cfg.backend, out["export"], work)
     out["compile"] = compile_stage.run(cfg.backend, {**out["export"], **out["lower_kv"]}, work)
     return out
 
 
 def test_export_alone(staged):
     exported = staged["export"]["exported"]
-    assert set(exported) == {"embed_text", "forward_from_embeddings"}
+    assert set(exported) == {"embed_text", "target_forward_from_embeddings"}
     assert count_neutral(exported["embed_text"][0]) == 0
-    assert count_neutral(exported["forward_from_embeddings"][0]) == 4
+    assert count_neutral(exported["target_forward_from_embeddings"][0]) == 4
 
 
 def test_lower_kv_alone(staged):
     out = staged["lower_kv"]
     assert all(count_neutral(ep) == 0 for ep in out["lowered"].values())
-    assert out["kv_manifest"]["layout"] == "sequence" and out["kv_manifest"]["max_seqs"] == 1
+    assert out["kv_sections"]["target"]["layout"] == "sequence" and out["kv_sections"]["target"]["max_seqs"] == 1
 
 
 def test_compile_alone_writes_program_and_manifest(staged):
@@ -44,7 +44,7 @@ def test_compile_alone_writes_program_and_manifest(staged):
     assert manifest["program"] == "model.pte" and manifest["backend"] == "portable"
     kv = manifest["target"]
     assert (kv["layout"], kv["max_seqs"], kv["max_segments"], kv["causal"]) == ("sequence", 1, 2, True)
-    assert manifest["methods"]["forward_from_embeddings"] == ["embeddings", "positions", "logit_rows", "seq_info_flat", "seq_info_ring"]
+    assert manifest["methods"]["target_forward_from_embeddings"] == ["embeddings", "positions", "logit_rows", "seq_info_flat", "seq_info_ring"]
     program = Runtime.get().load_program(str(work / "model.pte"))
     assert program.load_method("get_offgraph_kv_max_seqs").execute([])[0] == 1
     assert program.load_method("get_offgraph_kv_max_segments").execute([])[0] == 2
@@ -52,7 +52,8 @@ def test_compile_alone_writes_program_and_manifest(staged):
 
 def test_validate_alone_passes(staged):
     cfg = staged["cfg"]
-    report = validate.run(cfg.validate, cfg.model, cfg.kv, cfg.backend, staged["export"], staged["work"])["validation"]
+    inputs = {**staged["export"], **staged["lower_kv"]}
+    report = validate.run(cfg.validate, cfg.model, cfg.draft, cfg.kv, cfg.backend, inputs, staged["work"])["validation"]
     assert report["passed"] and report["max_relative_error"] < 1e-5
     assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
 
@@ -65,7 +66,8 @@ def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):
-        validate.run(staged["cfg"].validate, staged["cfg"].model, staged["cfg"].kv, staged["cfg"].backend, {"model": model}, tmp_path)
+        cfg = staged["cfg"]
+        validate.run(cfg.validate, cfg.model, cfg.draft, cfg.kv, cfg.backend, {"model": model, "draft": None}, tmp_path)
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["passed"] is False and report["max_relative_error"] > report["tolerance"]
 
@@ -85,9 +87,9 @@ def test_compile_leaves_the_lowered_programs_intact(tmp_path):
     """compile (XNNPACK) works on the lowered programs without copying their weights; the programs
     it was given keep every constant, unchanged."""
     cfg = compose_config()
-    exported = export.run(cfg.model, cfg.kv, {}, tmp_path)
-    lowered = lower_kv.run(cfg.kv, cfg.backend, exported, tmp_path)
-    ep = lowered["lowered"]["forward_from_embeddings"]
+    exported = export.run(cfg.model, cfg.draft, cfg.kv, {}, tmp_path)
+    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp_path)
+    ep = lowered["lowered"]["target_forward_from_embeddings"]
     before = {name: t.clone() for name, t in {**ep.state_dict, **ep.constants}.items()}
     compile_stage.run(cfg.backend, {**exported, **lowered}, tmp_path)
     after = {**ep.state_dict, **ep.constants}

@@ -67,7 +67,7 @@ class Backend:
         """Files beside model.pte (.ptd) that the program needs at run time."""
 
     @contextlib.contextmanager
-    def session(self, validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
+    def session(self, validate_cfg, sections: dict, inputs: dict, workdir: Path):
         """The session validate drives through the built program, and a description of its runtime."""
         from pipeline.runtime.session import Session
 

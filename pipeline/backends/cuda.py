@@ -51,7 +51,7 @@ class Cuda(Backend):
         program.write_tensor_data_to_file(str(workdir))  # aoti_cuda_blob.ptd: the library and weights
 
     @contextlib.contextmanager
-    def session(self, validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path):
+    def session(self, validate_cfg, sections: dict, inputs: dict, workdir: Path):
         import torch
 
         from pipeline.config import GPU_RUNTIMES
@@ -63,7 +63,7 @@ class Cuda(Backend):
         runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
                    f"rebuilt from the config in a child process (same fingerprint), {GPU_RUNTIMES[validate_cfg.runtime]}, "
                    f"on {gpu} (ExecuTorch's Python runtime has no CUDA backend)")
-        with MethodServer(graphs_recipe(model_cfg, kv_cfg, backend_cfg), self.programs(inputs["lowered"]),
+        with MethodServer(graphs_recipe(sections), self.programs(inputs["lowered"]),
                           device="cuda", runtime=validate_cfg.runtime) as server:
             yield Session(workdir, methods=server.runners), runtime
 

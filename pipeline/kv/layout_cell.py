@@ -16,8 +16,8 @@ class CellLayout(KVLayout):
     manifest_names = ("cell",)
 
     @classmethod
-    def build(cls, kv_cfg, model_args) -> "CellLayout":
-        max_seqs, capacity, step = kv_cfg.max_seqs, kv_cfg.capacity, kv_cfg.max_step_tokens
+    def build(cls, spec, model_args) -> "CellLayout":
+        max_seqs, capacity, step = spec.max_seqs, spec.capacity, spec.max_step_tokens
         if max_seqs > CELL_OWNER_BITS:
             raise KVConfigError(
                 f"kv.max_seqs={max_seqs} exceeds the cell layout's limit of {CELL_OWNER_BITS} "
@@ -28,8 +28,8 @@ class CellLayout(KVLayout):
                 f"{step}-token step need {max_seqs * step} cells, kv.capacity={capacity}; "
                 f"raise kv.capacity or lower kv.max_seqs to at most {capacity // step}")
         layers = tuple(LayerStore("ring" if layer.window else "flat", capacity, layer.window) for layer in model_args.layer_kv())
-        return cls(layout="cell", max_seqs=max_seqs, capacity=capacity, max_step_tokens=step, causal=kv_cfg.causal,
-                   n_kv_heads=model_args.n_kv_heads, head_dim=model_args.head_dim, dtype=kv_cfg.dtype,
+        return cls(layout="cell", max_seqs=max_seqs, capacity=capacity, max_step_tokens=step, causal=spec.causal,
+                   n_kv_heads=model_args.n_kv_heads, head_dim=model_args.head_dim, dtype=spec.dtype,
                    layers=layers, max_seq_len=capacity)
 
     @property
@@ -104,13 +104,16 @@ class CellPool(Pool):
         return self.free_cells[:n_tokens]
 
     def commit(self, order: list[tuple[SeqState, int]], chosen: list[int]) -> None:
+        """``order``'s sequences take ``chosen`` in turn, n cells each (those a step wrote and keeps:
+        a speculative step keeps a prefix of each sequence's cells, and the rest stay free)."""
         taken = iter(chosen)
         for seq, n in order:
             for i, cell in zip(range(n), taken, strict=False):  # the next n cells
                 self.cell_pos[cell] = seq.length + i
                 self.cell_owners[cell] = 1 << seq.slot
                 seq.cells.append(cell)
-        del self.free_cells[: len(chosen)]
+        kept = set(chosen)
+        self.free_cells = [cell for cell in self.free_cells if cell not in kept]
 
     def release(self, seq: SeqState) -> None:
         bit = 1 << seq.slot

@@ -17,8 +17,8 @@ class SequenceLayout(KVLayout):
     manifest_names = ("sequence", "batched-sequence")
 
     @classmethod
-    def build(cls, kv_cfg, model_args) -> "SequenceLayout":
-        capacity, step = kv_cfg.capacity, kv_cfg.max_step_tokens
+    def build(cls, spec, model_args) -> "SequenceLayout":
+        capacity, step = spec.capacity, spec.max_step_tokens
         layer_kv = model_args.layer_kv()
         max_seq_len = capacity if any(layer.window == 0 for layer in layer_kv) else None
         layers = []
@@ -33,9 +33,9 @@ class SequenceLayout(KVLayout):
             else:
                 layers.append(LayerStore("flat", capacity, 0))
         return cls(
-            layout="sequence" if kv_cfg.max_seqs == 1 else "batched-sequence", max_seqs=kv_cfg.max_seqs,
-            capacity=capacity, max_step_tokens=step, causal=kv_cfg.causal, n_kv_heads=model_args.n_kv_heads,
-            head_dim=model_args.head_dim, dtype=kv_cfg.dtype, layers=tuple(layers), max_seq_len=max_seq_len)
+            layout="sequence" if spec.max_seqs == 1 else "batched-sequence", max_seqs=spec.max_seqs,
+            capacity=capacity, max_step_tokens=step, causal=spec.causal, n_kv_heads=model_args.n_kv_heads,
+            head_dim=model_args.head_dim, dtype=spec.dtype, layers=tuple(layers), max_seq_len=max_seq_len)
 
     @property
     def columns(self) -> int:

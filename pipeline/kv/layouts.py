@@ -16,6 +16,7 @@ sequence's readable history is then at most two runs of rows (the wrap):
 Free of torch: the config checks derive the layout before anything heavy loads.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -90,6 +91,9 @@ class KVLayout:
     # tokens one sequence may hold: the flat layers' context (the pool, for the cell layout);
     # None when every layer is a ring, which keeps a window however long the sequence grows
     max_seq_len: int | None
+    # tokens one step of the model's step method takes (its token axis): a prefill chunk, a decode of
+    # every sequence, a verification of every sequence's draft block; a draft's context and blocks
+    step_width: int = 0
 
     @property
     def torch_dtype(self):
@@ -126,8 +130,8 @@ class KVLayout:
     manifest_names: ClassVar[tuple[str, ...]] = ()  # the ``layout`` values of its manifests
 
     @classmethod
-    def build(cls, kv_cfg, model_args) -> "KVLayout":
-        """The layout for a checked ``kv`` config (``build_layout`` checked what all layouts share)."""
+    def build(cls, spec: "KVSpec", model_args) -> "KVLayout":
+        """The layout for checked settings (``build_layout`` checked what all layouts share)."""
         raise NotImplementedError
 
     @property
@@ -182,8 +186,21 @@ def _layout_class(name: str) -> type:
     return importlib.import_module(f"pipeline.kv.layout_{name}").LAYOUT
 
 
-def build_layout(kv_cfg, model_args) -> KVLayout:
-    """Validate the ``kv`` config against the model and derive the layout."""
+@dataclass(frozen=True)
+class KVSpec:
+    """One model's KV settings: the ``kv`` config's, with the model's causality and step width."""
+
+    layout: str
+    max_seqs: int
+    capacity: int
+    max_step_tokens: int
+    causal: bool
+    dtype: str
+
+
+def build_layout(kv_cfg, model_args, causal: bool = True, max_step_tokens: int | None = None) -> KVLayout:
+    """Validate the ``kv`` config against a model and derive its layout: the target's (causal, steps of
+    ``kv.max_step_tokens``) or a draft's (non-causal, its own step width)."""
     name, max_seqs, capacity, step = kv_cfg.layout, kv_cfg.max_seqs, kv_cfg.capacity, kv_cfg.max_step_tokens
     if name not in layout_names():
         raise KVConfigError(f"kv.layout={name} is not a layout; choose {' or '.join(layout_names())}")
@@ -201,11 +218,33 @@ def build_layout(kv_cfg, model_args) -> KVLayout:
             f"model.sliding_window={window} is larger than kv.capacity={capacity}; "
             f"the window must fit in the context (at most {capacity})"
         )
-    return _layout_class(name).build(kv_cfg, model_args)
+    spec = KVSpec(name, max_seqs, capacity, max_step_tokens or step, causal, kv_cfg.dtype)
+    layout = _layout_class(name).build(spec, model_args)
+    return dataclasses.replace(layout, step_width=max(layout.max_step_tokens, max_seqs))
+
+
+def model_layouts(kv_cfg, target_args, causal: bool = True, draft_args=None) -> dict[str, KVLayout]:
+    """Every attending model's layout, by model name: the target's and, with a draft, the draft's (the
+    same kind of layout and sequence count, non-causal; its step holds each sequence's new context
+    rows, at most a block, and its block). The target's step then also verifies a block of every
+    sequence."""
+    layouts = {"target": build_layout(kv_cfg, target_args, causal)}
+    if draft_args is not None:
+        block = draft_args.block_size
+        if block > kv_cfg.max_step_tokens:
+            raise KVConfigError(f"draft.block_size={block} is more than kv.max_step_tokens={kv_cfg.max_step_tokens}: "
+                                "a verification step feeds a block per sequence; raise kv.max_step_tokens or lower "
+                                "draft.block_size")
+        target = layouts["target"]
+        layouts["target"] = dataclasses.replace(target, step_width=max(target.step_width, kv_cfg.max_seqs * block))
+        draft_step = max(kv_cfg.max_step_tokens, 2 * kv_cfg.max_seqs * block)
+        draft = build_layout(kv_cfg, draft_args, causal=False, max_step_tokens=draft_step)
+        layouts["draft"] = dataclasses.replace(draft, step_width=draft_step)
+    return layouts
 
 
 def layout_from_manifest(kv: dict) -> KVLayout:
-    """The layout object of a built artifact, from its manifest's ``target`` section."""
+    """The layout object of a built artifact, from one model's section of its manifest."""
     classes = [_layout_class(name) for name in layout_names()]
     cls = next((c for c in classes if kv["layout"] in c.manifest_names), None)
     if cls is None:
@@ -214,7 +253,7 @@ def layout_from_manifest(kv: dict) -> KVLayout:
         layout=kv["layout"], max_seqs=kv["max_seqs"], capacity=kv["capacity"], max_step_tokens=kv["max_step_tokens"],
         causal=kv["causal"], n_kv_heads=kv["n_kv_heads"], head_dim=kv["head_dim"], dtype=kv["dtype"],
         layers=tuple(LayerStore(layer["kind"], layer["rows"], layer["window"]) for layer in kv["layers"]),
-        max_seq_len=kv["max_seq_len"])
+        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"])
 
 
 def sequence_segments(length: int, rows: int, column: int) -> list[tuple[int, int, int, int]]:

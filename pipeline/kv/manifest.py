@@ -6,7 +6,13 @@ Its facts are also published as constant methods of the program
 
 from pipeline.kv.layouts import KVLayout
 
-SCHEMA_VERSION = 1
+# the step methods, by the model they run (embed_text embeds the target's tokens)
+EMBED = "embed_text"
+TARGET_STEP = "target_forward_from_embeddings"
+DRAFT_STEP = "draft_forward"
+MODELS = ("target", "draft")  # the manifest's model sections, in this order
+
+SCHEMA_VERSION = 2  # 2: a section per model (target, draft), step_width
 
 
 def kv_section(layout: KVLayout, vocab_size: int) -> dict:
@@ -20,6 +26,7 @@ def kv_section(layout: KVLayout, vocab_size: int) -> dict:
         "columns": layout.columns,
         "capacity": layout.capacity,
         "max_step_tokens": layout.max_step_tokens,
+        "step_width": layout.step_width,
         "dtype": layout.dtype,
         "n_kv_heads": layout.n_kv_heads,
         "head_dim": layout.head_dim,
@@ -33,19 +40,33 @@ def kv_section(layout: KVLayout, vocab_size: int) -> dict:
     }
 
 
-def constant_methods(layout: KVLayout, vocab_size: int) -> dict[str, int]:
-    """A sequence count marks the sequence paths; a cell artifact declares its pool instead."""
+def constant_methods(sections: dict[str, dict]) -> dict[str, object]:
+    """The program's constant methods from the manifest's model sections. A sequence count marks the
+    sequence paths; a cell artifact declares its pool instead. A draft's KV constants carry a
+    ``draft_`` prefix (``get_draft_offgraph_kv_max_seqs``), its block facts Muse Glimmer's names."""
+    from pipeline.kv.layouts import layout_from_manifest
+
+    kv = sections["target"]
+    layout = layout_from_manifest(kv)
     constants = {
-        "get_vocab_size": vocab_size,
+        "get_vocab_size": kv["vocab_size"],
         "get_offgraph_kv_max_segments": layout.max_segments,
         "get_offgraph_kv_causal": int(layout.causal),
         "get_max_step_tokens": layout.max_step_tokens,
-    }
-    return constants | layout.constants()
+    } | layout.constants()
+    if "draft" in sections:
+        draft = sections["draft"]
+        constants |= {f"get_draft_{name.removeprefix('get_')}": value
+                      for name, value in layout_from_manifest(draft).constants().items()}
+        constants |= {"get_draft_offgraph_kv_causal": int(draft["causal"]), "get_block_size": draft["block_size"],
+                      "get_mask_token_id": draft["mask_token_id"], "get_n_target_layers": len(draft["target_layer_ids"]),
+                      "get_target_layer_ids": list(draft["target_layer_ids"])}
+    return constants
 
 
-def manifest(kv: dict, backend: str, program: str, data_files: list[str], methods: dict[str, list[str]],
-             tokenizer: str | None = None) -> dict:
+def manifest(sections: dict[str, dict], backend: str, program: str, data_files: list[str],
+             methods: dict[str, list[str]], tokenizer: str | None = None) -> dict:
+    """``sections``: each model's KV section (``target``, and ``draft`` with a draft)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "program": program,
@@ -53,5 +74,5 @@ def manifest(kv: dict, backend: str, program: str, data_files: list[str], method
         "tokenizer": tokenizer,  # directory of the checkpoint's tokenizer (transformers' format), or null
         "backend": backend,
         "methods": methods,  # method -> its input names in order
-        "target": kv,
+        **sections,
     }

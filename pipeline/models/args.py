@@ -78,6 +78,30 @@ class DraftArgs:
     rope_base: float = 10000.0
     rope_interleaved: bool = False  # both references rotate halves (NEOX)
 
+    @property
+    def sliding_window(self) -> int:
+        return 0
+
+    def layer_kv(self) -> list[LayerKV]:
+        """Every draft layer is flat: its history is the context of its sequence, seen whole."""
+        return [LayerKV(window=0) for _ in range(self.num_hidden_layers)]
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target's tapped features the draft reads: one target width per tapped layer."""
+        return len(self.target_layer_ids) * self.dim
+
+
+def draft_args(draft_cfg, target: ModelArgs) -> DraftArgs:
+    """The ``draft`` config section over ``target``: its width is the target's (embeddings and head are
+    shared), its tapped layers the reference's formula when not given."""
+    given = {k: draft_cfg[k] for k in DraftArgs.__dataclass_fields__ if k in draft_cfg and draft_cfg[k] is not None}
+    given["dim"] = target.dim
+    if "target_layer_ids" not in given:
+        given["target_layer_ids"] = default_target_layer_ids(target.n_layers, given.get("num_hidden_layers", 1))
+    given["target_layer_ids"] = tuple(given["target_layer_ids"])
+    return DraftArgs(**given)
+
 
 def default_target_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
     """The reference's choice of tapped target layers: the middle one for a one-layer draft, else

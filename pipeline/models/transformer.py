@@ -181,7 +181,7 @@ def build_model(args: ModelArgs, seed: int) -> Transformer:
     return seeded(lambda: Transformer(args), seed)
 
 
-# --- methods of a solo artifact: thin views that torch.export traces one by one ---
+# --- the artifact's methods: thin views that torch.export traces one by one ---
 
 
 class EmbedText(nn.Module):
@@ -193,13 +193,15 @@ class EmbedText(nn.Module):
         return self.model.embed(tokens)
 
 
-class ForwardFromEmbeddings(nn.Module):
-    """A step of any width; logits only for ``logit_rows`` (the tokens a sampler reads)."""
+class TargetForward(nn.Module):
+    """A step of any width; logits only for ``logit_rows`` (the tokens a sampler reads) and, for a
+    draft, the tapped features of every token of the step ([T, taps * dim])."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, taps: tuple[int, ...] = ()):
         super().__init__()
-        self.model = model
+        self.model, self.taps = model, tuple(taps)
 
-    def forward(self, embeddings: Tensor, positions: Tensor, logit_rows: Tensor) -> Tensor:
-        return self.model.logits(self.model.hidden(embeddings, positions)[logit_rows])
-
+    def forward(self, embeddings: Tensor, positions: Tensor, logit_rows: Tensor):
+        hidden, features = self.model.hidden_and_taps(embeddings, positions, self.taps)
+        logits = self.model.logits(hidden[logit_rows])
+        return logits if not self.taps else (logits, features)

@@ -25,7 +25,13 @@ from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_v
 from pipeline.kv.layouts import KVLayout
 from pipeline.kv.op import NEUTRAL_OP
 
-STORE_MODULE = "kv_store"  # stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
+STORE_MODULE = "kv_store"  # the target's stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
+
+
+def store_module(model: str) -> str:
+    """Where a model's stores live (``kv_store``, ``draft_kv_store``): the program shares mutable buffers
+    between methods by name, so each model's layers need names of their own."""
+    return STORE_MODULE if model == "target" else f"{model}_{STORE_MODULE}"
 
 aten = torch.ops.aten
 
@@ -41,6 +47,8 @@ class MethodInputs:
     args: tuple
     dynamic_shapes: tuple
     token_dim: object  # the torch.export.Dim of the step's token axis (Dim.STATIC when it can only be 1)
+    model: str = "target"  # the model whose KV the method reads and writes
+    positions_arg: int = 1  # which argument is the step's positions [T]
 
 
 def count_neutral(ep: ExportedProgram) -> int:
@@ -69,7 +77,8 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
     graph.output(env[0] if isinstance(env, (tuple, list)) and len(env) == 1 else env)  # a single output stays single
     gm = fx.GraphModule(unlifted, graph)
     stores = nn.Module()
-    gm.add_module(STORE_MODULE, stores)
+    prefix = store_module(inputs.model)
+    gm.add_module(prefix, stores)
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
@@ -110,8 +119,8 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
                 store_dtype = layout.torch_dtype
                 return x if like.meta["val"].dtype == store_dtype else call(aten._to_copy.default, (x,), {"dtype": store_dtype})
 
-            k_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
-            v_store = call(aten.index_copy_.default, (graph.get_attr(f"{STORE_MODULE}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
+            k_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
+            v_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
             out = layout.attend(call, tokens_first(q), k_store, v_store, pos, layer, step, scale, kernel,
                                 plans_by_kind, q.meta["val"], v.meta["val"])
             out = call(aten.unsqueeze.default, (call(aten.permute.default, (out, [1, 0, 2])), 0))  # [1, Hq, T, Dv]
@@ -125,7 +134,7 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
     if any(n.op == "call_function" and n.target == NEUTRAL_OP for n in gm.graph.nodes):
         raise LoweringError("kvcache::update_and_attend nodes remain after lowering")
 
-    n_tokens = inputs.args[1].shape[0]  # positions [T]
+    n_tokens = inputs.args[inputs.positions_arg].shape[0]  # the example's step width
     args = inputs.args + _example_step_buffers(layout, n_tokens)
     dyn = inputs.dynamic_shapes + tuple(
         {0: inputs.token_dim} if buf.shape[0] == "n_tokens" else None

@@ -5,6 +5,12 @@ program's constant methods); the session assigns a column (sequence layouts)
 or cells (cell layout) to each sequence, fills the step buffers, runs mixed
 prefill/decode steps and returns logits for the last token of every sequence
 fed in the step: the rows a sampler reads, never one per token.
+
+An artifact with a DFlash draft also serves speculative steps (``speculate``): the draft proposes a
+block per sequence from the target's tapped features, the target verifies every block in one step,
+and each sequence keeps its accepted prefix plus the target's next token. The draft and the target
+each keep only what they commit: rows written past a sequence's kept length are never read again
+(the next step writes over them before any query sees them; the cell layout frees their cells).
 """
 
 import json
@@ -16,9 +22,9 @@ import torch
 
 from pipeline.errors import SessionError
 from pipeline.kv.layouts import SeqState, layout_from_manifest
-from pipeline.kv.manifest import constant_methods
+from pipeline.kv.manifest import DRAFT_STEP, EMBED, MODELS, TARGET_STEP, constant_methods
 
-__all__ = ["Session", "SessionError"]
+__all__ = ["Round", "Session", "SessionError"]
 
 
 class Session:
@@ -34,6 +40,15 @@ class Session:
         # the layout's index math and its own state (the cell pool): the session never asks which layout
         self.kv_layout = layout_from_manifest(self.kv)
         self.pool = self.kv_layout.pool()
+        # a draft's own KV (non-causal, the same kind of layout), its sequences' states (their lengths lag
+        # the target's by the features not yet given to it) and each sequence's pending target features
+        self.draft_kv = self.manifest.get("draft")
+        self.draft_layout = layout_from_manifest(self.draft_kv) if self.draft_kv else None
+        self.draft_pool = self.draft_layout.pool() if self.draft_kv else None
+        self.block_size = self.draft_kv["block_size"] if self.draft_kv else None
+        self.draft_seqs: dict[object, SeqState] = {}
+        self.pending: dict[object, torch.Tensor] = {}
+        self.acceptance: dict[object, list[int]] = {}  # tokens each speculative round gave a sequence
         self._methods = {}
         if methods is None:
             from executorch.runtime import Runtime
@@ -58,16 +73,18 @@ class Session:
         return self._methods[name]
 
     def _check_constants(self) -> None:
-        expect = constant_methods(self.kv_layout, self.kv["vocab_size"])
+        expect = constant_methods({m: self.manifest[m] for m in MODELS if m in self.manifest})
         for name, value in expect.items():
-            got = self.constant(name)
+            got = self.constant(name, many=isinstance(value, list))
             if got != value:
                 raise SessionError(f"artifact disagrees with its manifest: {name}() = {got}, manifest says {value}")
 
-    def constant(self, name: str):
+    def constant(self, name: str, many: bool = False):
+        """A constant method's value (``many``: a list constant, which returns one output per item)."""
         if name not in self.program.method_names:
             raise SessionError(f"the program has no constant method {name}")
-        return self.method(name).execute([])[0]
+        out = self.method(name).execute([])
+        return list(out) if many else out[0]
 
     # --- sequences ---
 
@@ -85,11 +102,18 @@ class Session:
                 "release one first or build with a larger kv.max_seqs")
         taken = {s.slot for s in self.seqs.values()}
         self.seqs[seq_id] = SeqState(slot=min(set(range(self.max_seqs)) - taken))
+        if self.draft_kv:
+            self.draft_seqs[seq_id] = SeqState(slot=self.seqs[seq_id].slot)
+            self.pending[seq_id] = torch.zeros(0, self.draft_kv["feature_dim"])
+            self.acceptance[seq_id] = []
 
     def release(self, seq_id) -> None:
         """Forget a sequence: its column (or its cells) serve the next one."""
         self.pool.release(self._get(seq_id))
         del self.seqs[seq_id]
+        if self.draft_kv:
+            self.draft_pool.release(self.draft_seqs.pop(seq_id))
+            del self.pending[seq_id], self.acceptance[seq_id]
 
     def _get(self, seq_id) -> SeqState:
         try:
@@ -126,17 +150,32 @@ class Session:
         token_t = torch.tensor([t for *_, toks in order for t in toks], dtype=torch.int64)
         pos_t = torch.tensor([p for _, seq, toks in order for p in range(seq.length, seq.length + len(toks))],
                              dtype=torch.int64)
+        last_rows = torch.tensor(list(_cumulative_last([len(toks) for *_, toks in order])), dtype=torch.int64)
+        logits, features = self._target_step(order, token_t, pos_t, last_rows, step_buffers)
+        self._commit([(seq, len(toks)) for _, seq, toks in order], cells)
+        self._keep_features([(seq_id, len(toks), len(toks)) for seq_id, _, toks in order], features)
+        return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
+
+    def _target_step(self, order, token_t, pos_t, logit_rows, step_buffers) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """embed_text, then the target's step: its logits rows and (with a draft) every token's features."""
         try:
-            embeddings = self.method("embed_text").execute([token_t])[0]
-            last_rows = torch.tensor(list(_cumulative_last([len(toks) for *_, toks in order])), dtype=torch.int64)
-            logits = self.method("forward_from_embeddings").execute([embeddings, pos_t, last_rows, *step_buffers])[0]
+            embeddings = self.method(EMBED).execute([token_t])[0]
+            out = self.method(TARGET_STEP).execute([embeddings, pos_t, logit_rows, *step_buffers])
         except Exception as err:
             ids = ", ".join(repr(seq_id) for seq_id, *_ in order)
             raise SessionError(f"the program failed on the step of sequences {ids} ({err}); "
                                "the session is unchanged") from err
+        return out[0], (out[1] if self.draft_kv else None)
 
-        self._commit([(seq, len(toks)) for _, seq, toks in order], cells)
-        return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
+    def _keep_features(self, kept: list[tuple[object, int, int]], features: torch.Tensor | None) -> None:
+        """Append to each sequence's pending features the first ``keep`` of its ``n`` rows of the step
+        (``kept``: (seq_id, n, keep) in the step's order)."""
+        if features is None:
+            return
+        row = 0
+        for seq_id, n, keep in kept:
+            self.pending[seq_id] = torch.cat([self.pending[seq_id], features[row: row + keep].float()])
+            row += n
 
     def _tokens(self, seq_id, toks) -> list[int]:
         """The tokens as Python ints in [0, vocab); anything else is refused, naming the sequence."""
@@ -157,11 +196,133 @@ class Session:
                 raise SessionError(f"sequence {seq_id!r}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in toks]
 
-    def _commit(self, order: list[tuple[SeqState, int]], cells: list[int]) -> None:
+    def _commit(self, order: list[tuple[SeqState, int]], cells: list[int], pool=None) -> None:
         """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
-        self.pool.commit(order, cells)
+        (pool or self.pool).commit(order, cells)
         for seq, n in order:
             seq.length += n
+
+    # --- speculative steps (an artifact with a draft) ---
+
+    def speculate(self, feeds: dict[object, int], propose=None) -> dict[object, "Round"]:
+        """One speculative round for each sequence of ``feeds`` (sequence id -> its next token, the last
+        one sampled and not yet fed): the draft proposes ``block_size - 1`` tokens after it, the target
+        verifies every sequence's block in one step, and each sequence keeps the proposals the target's
+        greedy choice agrees with plus the target's token after them. Returns each sequence's ``Round``:
+        those tokens (at least one; the last is again not yet fed), the proposals and both models'
+        logits. ``propose(seq_id, proposals) -> proposals`` may replace the draft's (tests: an oracle or
+        a corrupted draft). Greedy: the tokens are the target's
+        greedy continuation, whatever the draft proposes."""
+        if not self.draft_kv:
+            raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to speculate")
+        if not isinstance(feeds, dict) or not feeds:
+            raise SessionError("a speculative step needs a dict of at least one sequence id -> next token")
+        order = []
+        for seq_id, token in feeds.items():
+            seq = self._get(seq_id)
+            (token,) = self._tokens(seq_id, [token])
+            if seq.length == 0:
+                raise SessionError(f"sequence {seq_id!r} is empty: prefill its prompt with step() before speculating")
+            limit = self.kv_layout.session_length_limit
+            room = self.block_size if limit is None else min(self.block_size, limit - seq.length)
+            if room < 1:
+                raise SessionError(f"sequence {seq_id!r} holds {seq.length} tokens, the flat layers' capacity of "
+                                   f"{self.max_length}; release it or build with a larger kv.capacity")
+            order.append((seq_id, seq, token, room))
+        proposals, draft_logits = self._draft_proposals([(seq_id, token, room) for seq_id, _, token, room in order])
+        if propose is not None:
+            for seq_id, *_ in order:
+                proposals[seq_id] = [int(t) for t in propose(seq_id, list(proposals[seq_id]))]
+        blocks = [(seq_id, seq, [token, *proposals[seq_id]]) for seq_id, seq, token, _ in order]
+        for seq_id, _, block in blocks:
+            self._tokens(seq_id, block)
+        n_tokens = sum(len(block) for *_, block in blocks)
+        cells = self.pool.choose(n_tokens)
+        step_buffers = self._step_buffers([(seq, len(block)) for _, seq, block in blocks], cells)
+        token_t = torch.tensor([t for *_, block in blocks for t in block], dtype=torch.int64)
+        pos_t = torch.tensor([p for _, seq, block in blocks for p in range(seq.length, seq.length + len(block))],
+                             dtype=torch.int64)
+        logits, features = self._target_step(blocks, token_t, pos_t, torch.arange(n_tokens), step_buffers)
+        greedy = logits.argmax(-1).tolist()
+        out, kept, kept_cells, row = {}, [], [], 0
+        for seq_id, seq, block in blocks:
+            accepted = 0
+            while accepted < len(block) - 1 and block[accepted + 1] == greedy[row + accepted]:
+                accepted += 1
+            out[seq_id] = Round(block[1: accepted + 1] + [greedy[row + accepted]], block[1:],
+                                logits[row: row + len(block)].clone(), draft_logits[seq_id])
+            kept.append((seq_id, seq, len(block), accepted + 1))  # the fed token and the accepted proposals
+            kept_cells += cells[row: row + accepted + 1] if cells else []
+            row += len(block)
+        self._commit([(seq, keep) for _, seq, _, keep in kept], kept_cells)
+        self._keep_features([(seq_id, n, keep) for seq_id, _, n, keep in kept], features)
+        for seq_id, result in out.items():
+            self.acceptance[seq_id].append(len(result.tokens))
+        return out
+
+    def _draft_proposals(self, order: list[tuple[object, int, int]]) -> tuple[dict, dict]:
+        """The draft's ``room - 1`` proposals after each sequence's ``token``. Its pending context first
+        goes in in context-only steps, until what is left and the blocks fit one step."""
+        width, block = self.draft_kv["step_width"], self.block_size
+        chunks = []  # (seq_id, rows) context-only
+        for seq_id, _, _ in order:
+            extra = len(self.pending[seq_id]) - block
+            for start in range(0, max(extra, 0), width):
+                chunks.append((seq_id, min(width, extra - start)))
+        while chunks:  # a sequence's chunks but its last fill a step each: no step has two of one sequence
+            step, room = [], width
+            while chunks and chunks[0][1] <= room:
+                step.append(chunks.pop(0))
+                room -= step[-1][1]
+            self._draft_step([(seq_id, n, []) for seq_id, n in step])
+        proposing = [(seq_id, len(self.pending[seq_id]), [token] + [self.draft_kv["mask_token_id"]] * (room - 1))
+                     for seq_id, token, room in order if room > 1]
+        proposals = {seq_id: [] for seq_id, *_ in order}
+        logits_of = {seq_id: torch.zeros(0, self.vocab_size) for seq_id, *_ in order}
+        if proposing:
+            logits = self._draft_step(proposing)
+            row = 0
+            for seq_id, _, blk in proposing:
+                logits_of[seq_id] = logits[row: row + len(blk) - 1].clone()
+                proposals[seq_id] = logits_of[seq_id].argmax(-1).tolist()
+                row += len(blk) - 1
+        return proposals, logits_of
+
+    def _draft_step(self, rows: list[tuple[object, int, list[int]]]) -> torch.Tensor:
+        """One call of the draft: for each (seq_id, n_ctx, block) the first ``n_ctx`` pending features
+        as context rows, then the block's tokens; keeps the context, returns the logits of every block
+        row after its first (the proposals)."""
+        order = [(seq_id, self.draft_seqs[seq_id], n_ctx, blk) for seq_id, n_ctx, blk in rows]
+        n_tokens = sum(n_ctx + len(blk) for _, _, n_ctx, blk in order)
+        cells = self.draft_pool.choose(n_tokens)
+        values = self.draft_layout.step_buffer_values([(seq, n_ctx + len(blk)) for _, seq, n_ctx, blk in order],
+                                                      cells, self.draft_pool)
+        step_buffers = [values[b["name"]] for b in self.draft_kv["step_buffers"]]
+        feature_dim, dtype = self.draft_kv["feature_dim"], self.pending[order[0][0]].dtype
+        features, tokens, is_context, positions, logit_rows = [], [], [], [], []
+        for seq_id, seq, n_ctx, blk in order:
+            features += [self.pending[seq_id][:n_ctx], torch.zeros(len(blk), feature_dim, dtype=dtype)]
+            tokens += [self.draft_kv["mask_token_id"]] * n_ctx + blk
+            is_context += [1] * n_ctx + [0] * len(blk)
+            base = len(positions)
+            positions += range(seq.length, seq.length + n_ctx + len(blk))
+            logit_rows += range(base + n_ctx + 1, base + n_ctx + len(blk))
+        args = [torch.cat(features)[None].to(getattr(torch, self.draft_kv["feature_dtype"])), torch.tensor(tokens, dtype=torch.int64),
+                torch.tensor(is_context, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                torch.tensor(logit_rows or [0], dtype=torch.int64), *step_buffers]
+        try:
+            logits = self.method(DRAFT_STEP).execute(args)[0]
+        except Exception as err:
+            raise SessionError(f"the program failed on the draft step of sequences "
+                               f"{', '.join(repr(s) for s, *_ in order)} ({err})") from err
+        kept_cells, row = [], 0
+        for _, _, n_ctx, blk in order:
+            kept_cells += cells[row: row + n_ctx] if cells else []
+            row += n_ctx + len(blk)
+        self._commit([(seq, n_ctx) for _, seq, n_ctx, _ in order], kept_cells, self.draft_pool)
+        for seq_id, _, n_ctx, _ in order:
+            self.pending[seq_id] = self.pending[seq_id][n_ctx:]
+        return logits if logit_rows else logits[:0]
 
     def _step_buffers(self, order: list[tuple[SeqState, int]], cells: list[int]) -> list[torch.Tensor]:
         """The step buffers for the step about to run, computed from the state it will leave."""
@@ -218,6 +379,16 @@ class Session:
             for seq_id in prompts:
                 self.release(seq_id)
         return {seq_id: self.tokenizer.decode(ids, skip_special_tokens=True) for seq_id, ids in out.items()}
+
+
+@dataclass
+class Round:
+    """One sequence's speculative round."""
+
+    tokens: list[int]  # the tokens it gave: the accepted proposals, then the target's next token
+    proposals: list[int]  # the block after the fed token, as the target verified it
+    logits: torch.Tensor  # the target's logits for every row of the block [1 + len(proposals), vocab]
+    draft_logits: torch.Tensor  # the draft's logits for its proposals [len(proposals), vocab]
 
 
 @dataclass

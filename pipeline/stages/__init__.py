@@ -25,10 +25,11 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("export", ("model", "kv"), (), ("model", "exported", "tokenizer")),
-        Stage("lower_kv", ("kv", "backend"), ("model", "exported"), ("layout", "lowered", "kv_manifest")),
-        Stage("compile", ("backend",), ("layout", "lowered", "kv_manifest", "tokenizer"), ("program", "manifest")),
-        Stage("validate", ("validate", "model", "kv", "backend"), ("model", "lowered", "program"), ("validation",)),
+        Stage("export", ("model", "draft", "kv"), (), ("model", "draft", "exported", "tokenizer")),
+        Stage("lower_kv", ("model", "kv", "backend"), ("model", "draft", "exported"), ("layouts", "lowered", "kv_sections")),
+        Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer"), ("program", "manifest")),
+        Stage("validate", ("validate", "model", "draft", "kv", "backend"), ("model", "draft", "lowered", "program"),
+              ("validation",)),
     )
 }
 

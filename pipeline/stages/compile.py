@@ -1,6 +1,6 @@
 """compile: ExecuTorch program from the lowered methods; writes model.pte (+ .ptd) and manifest.json.
 
-needs: layout, lowered, kv_manifest, tokenizer    gives: program (path of model.pte), manifest
+needs: lowered, kv_sections, tokenizer    gives: program (path of model.pte), manifest
 
 What differs by backend (the graphs it compiles, its partitioners, memory planning, data files) is
 the backend object's (``pipeline/backends/``).
@@ -17,13 +17,13 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    layout, lowered = inputs["layout"], inputs["lowered"]
+    lowered = inputs["lowered"]
     backend = get_backend(backend_cfg.name)
     programs = backend.programs(lowered)
     print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(programs)}", flush=True)
     edge = to_edge_transform_and_lower(
         programs, partitioner=backend.partitioners(list(programs)),
-        constant_methods=constant_methods(layout, inputs["kv_manifest"]["vocab_size"]),
+        constant_methods=constant_methods(inputs["kv_sections"]),
         compile_config=EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check),
     )
     for name in programs:
@@ -43,6 +43,6 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     methods = {name: [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
                for name, ep in lowered.items()}
     tokenizer = inputs["tokenizer"] and inputs["tokenizer"].name
-    doc = manifest(inputs["kv_manifest"], backend.name, program.name, data_files, methods, tokenizer)
+    doc = manifest(inputs["kv_sections"], backend.name, program.name, data_files, methods, tokenizer)
     (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     return {"program": program, "manifest": doc}

@@ -1,7 +1,15 @@
-"""export: the eager model and its methods, traced with the neutral KV op.
+"""export: the eager models and their methods, traced with the neutral KV op.
 
-gives: model (the eager oracle and its args), exported ({method: (ExportedProgram, MethodInputs)}),
+gives: model (the target: the eager oracle and its args), draft (the eager DFlash draft, or None),
+       exported ({method: (ExportedProgram, MethodInputs)}),
        tokenizer (the checkpoint's, saved as tokenizer/; None without a checkpoint)
+
+Methods (Muse Glimmer's names): ``embed_text``; ``target_forward_from_embeddings``, one step of any
+width (prefill chunks, decodes, verification of draft blocks; with a draft it also returns the tapped
+features); with a draft, ``draft_forward`` (context rows and blocks of every sequence in one step).
+A separate prefill method (Muse Glimmer's ``target_prefill_from_embeddings`` / ``draft_prefill``)
+would be the same graph at another width compiled twice: the compile stage's time and memory double
+for no speed (measured for the target in docs/benchmarks.md), so the one method takes both.
 """
 
 from pathlib import Path
@@ -9,12 +17,14 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from pipeline.config import ModelConfig
-from pipeline.models.args import ModelArgs, model_args
+from pipeline.config import DraftConfig, ModelConfig
+from pipeline.kv.layouts import model_layouts
+from pipeline.kv.manifest import DRAFT_STEP, EMBED, TARGET_STEP
+from pipeline.models.args import DraftArgs, ModelArgs, draft_args, model_args
 from pipeline.models.families import family
 from pipeline.models.loaders import load_into
 from pipeline.models.tokenizer import save_tokenizer
-from pipeline.models.transformer import EmbedText, ForwardFromEmbeddings, build_model
+from pipeline.models.transformer import EmbedText, TargetForward, build_model
 from pipeline.passes.lower_offgraph_kv import MethodInputs
 
 
@@ -23,40 +33,76 @@ def _dim(name: str, upper: int):
     return Dim(name, min=1, max=upper) if upper > 1 else Dim.STATIC
 
 
-def method_inputs(args: ModelArgs, max_step_tokens: int, max_seqs: int, dtype=torch.float32) -> dict[str, MethodInputs]:
-    # one step method serves prefill chunks (up to max_step_tokens) and decodes (one token of each
-    # of up to max_seqs sequences): a second, decode-only method would be the same graph compiled
-    # twice, doubling the compile stage's time and memory for no speed (the logit_rows gather is all
-    # that differs)
-    width = max(max_step_tokens, max_seqs)
-    n_tokens, n_seqs = _dim("n_tokens", width), _dim("n_seqs", max_seqs)
-    return {
-        "embed_text": MethodInputs((torch.zeros(width, dtype=torch.int64),), ({0: n_tokens},), n_tokens),
-        "forward_from_embeddings": MethodInputs(
-            (torch.zeros(1, width, args.dim, dtype=dtype), torch.arange(width), torch.arange(max_seqs)),
-            ({1: n_tokens}, {0: n_tokens}, {0: n_seqs}), n_tokens),
+def method_inputs(args: ModelArgs, widths: dict[str, int], max_seqs: int, dtype=torch.float32,
+                  draft: DraftArgs | None = None) -> dict[str, MethodInputs]:
+    """Example inputs and dynamic shapes of every method; ``widths``: each attending model's step width."""
+    width = widths["target"]
+    n_tokens = _dim("n_tokens", width)
+    # logits for the sampler's rows: one per sequence, or every row of a verification step
+    rows = max(max_seqs, width if draft else 1)
+    n_rows = _dim("n_rows", rows)
+    methods = {
+        EMBED: MethodInputs((torch.zeros(width, dtype=torch.int64),), ({0: n_tokens},), n_tokens),
+        TARGET_STEP: MethodInputs(
+            (torch.zeros(1, width, args.dim, dtype=dtype), torch.arange(width), torch.arange(rows)),
+            ({1: n_tokens}, {0: n_tokens}, {0: n_rows}), n_tokens),
     }
+    if draft is not None:
+        rows = widths["draft"]
+        n_draft = _dim("n_draft_tokens", rows)  # at least 2 rows: a context row and a block row
+        methods[DRAFT_STEP] = MethodInputs(
+            (torch.zeros(1, rows, draft.feature_dim, dtype=dtype), torch.zeros(rows, dtype=torch.int64),
+             torch.zeros(rows, dtype=torch.int64), torch.arange(rows), torch.arange(2)),
+            ({1: n_draft}, {0: n_draft}, {0: n_draft}, {0: n_draft}, {0: _dim("n_draft_rows", rows)}),
+            n_draft, model="draft", positions_arg=3)
+    return methods
 
 
-def run(model_cfg: ModelConfig, kv_cfg, inputs: dict, workdir) -> dict:
-    args = model_args(model_cfg)
-    dtype = getattr(torch, model_cfg.dtype)
-    model = build_model(args, model_cfg.seed)
+def build_target(model_cfg: ModelConfig, workdir) -> tuple:
+    """The target, random from its seed or loaded from its checkpoint, and the checkpoint's tokenizer."""
+    model = build_model(model_args(model_cfg), model_cfg.seed)
     tokenizer = None
     if model_cfg.checkpoint:
         print(f"  load {model_cfg.checkpoint}", flush=True)
         load_into(model, model_cfg.checkpoint, family(model_cfg.family))
         if workdir is not None:
             tokenizer = save_tokenizer(model_cfg.checkpoint, Path(workdir))
+    return model, tokenizer
+
+
+def build_draft_model(draft_cfg: DraftConfig, target_args: ModelArgs):
+    """The draft over the target, random from its seed or loaded from its DFlash checkpoint; None without one."""
+    if draft_cfg.name == "none":
+        return None
+    from pipeline.models.dflash import build_draft
+
+    draft = build_draft(draft_args(draft_cfg, target_args), draft_cfg.seed)
+    if draft_cfg.checkpoint:
+        from pipeline.models.loaders.dflash import load_draft
+
+        print(f"  load draft {draft_cfg.checkpoint}", flush=True)
+        load_draft(draft, draft_cfg.checkpoint)
+    return draft
+
+
+def run(model_cfg: ModelConfig, draft_cfg: DraftConfig, kv_cfg, inputs: dict, workdir) -> dict:
+    dtype = getattr(torch, model_cfg.dtype)
+    model, tokenizer = build_target(model_cfg, workdir)
     model = model.to(dtype)
-    views = {
-        "embed_text": EmbedText(model),
-        "forward_from_embeddings": ForwardFromEmbeddings(model),
-    }
+    draft = build_draft_model(draft_cfg, model.args)
+    draft = draft.to(dtype) if draft is not None else None
+    layouts = model_layouts(kv_cfg, model.args, model_cfg.causal, draft.args if draft else None)
+    views = {EMBED: EmbedText(model),
+             TARGET_STEP: TargetForward(model, draft.args.target_layer_ids if draft else ())}
+    if draft is not None:
+        from pipeline.models.dflash import DraftForward
+
+        views[DRAFT_STEP] = DraftForward(model, draft)
+    widths = {name: layout.step_width for name, layout in layouts.items()}
     exported = {}
-    for name, spec in method_inputs(args, kv_cfg.max_step_tokens, kv_cfg.max_seqs, dtype).items():
+    for name, spec in method_inputs(model.args, widths, kv_cfg.max_seqs, dtype, draft.args if draft else None).items():
         print(f"  export {name}", flush=True)
         with torch.no_grad():
             ep = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
         exported[name] = (ep, spec)
-    return {"model": model, "exported": exported, "tokenizer": tokenizer}
+    return {"model": model, "draft": draft, "exported": exported, "tokenizer": tokenizer}

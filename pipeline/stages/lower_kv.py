@@ -1,22 +1,35 @@
-"""lower_kv: LowerOffGraphKVPass on every method that attends; the KV manifest.
+"""lower_kv: LowerOffGraphKVPass on every method that attends, each over its model's layout; the KV
+sections of the manifest.
 
-needs: model, exported    gives: layout, lowered ({method: ExportedProgram}), kv_manifest
+needs: model, draft, exported    gives: layouts ({model: KVLayout}), lowered ({method: ExportedProgram}),
+                                        kv_sections ({model: manifest section})
 """
 
 from pipeline.backends import backend
-from pipeline.kv.layouts import build_layout
+from pipeline.kv.layouts import model_layouts
 from pipeline.kv.manifest import kv_section
 from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
 
 
-def run(kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
-    layout = build_layout(kv_cfg, inputs["model"].args)
+def run(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
+    target, draft = inputs["model"], inputs["draft"]
+    layouts = model_layouts(kv_cfg, target.args, model_cfg.causal, draft.args if draft else None)
     kernel = backend(backend_cfg.name).attention_kernel()
     lowered = {}
     for name, (ep, spec) in inputs["exported"].items():
         if count_neutral(ep) == 0:
             lowered[name] = ep  # embed_text reads no cache
             continue
-        print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {layout.layout} store + attention", flush=True)
+        layout = layouts[spec.model]
+        print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {spec.model} {layout.layout} store + attention",
+              flush=True)
         lowered[name] = lower_offgraph_kv(ep, layout, spec, kernel)
-    return {"layout": layout, "lowered": lowered, "kv_manifest": kv_section(layout, inputs["model"].args.vocab_size)}
+    sections = {"target": kv_section(layouts["target"], target.args.vocab_size)}
+    if draft is not None:
+        a = draft.args
+        sections["draft"] = kv_section(layouts["draft"], target.args.vocab_size) | {
+            "block_size": a.block_size, "mask_token_id": a.mask_token_id,
+            "target_layer_ids": list(a.target_layer_ids), "feature_dim": a.feature_dim,
+            "feature_dtype": model_cfg.dtype}
+    return {"layouts": layouts, "lowered": lowered, "kv_sections": sections}
+

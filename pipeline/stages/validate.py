@@ -43,6 +43,14 @@ class _Script:
     next_token: int | None = None
     cache: ReferenceCache | None = None
     errors: list[float] = field(default_factory=list)
+    # speculative decoding (an artifact with a draft): the eager draft's cache, the eager target's
+    # tapped features not yet given to it, the draft's logit errors, proposals that differed, and the
+    # tokens each round gave
+    draft_cache: ReferenceCache | None = None
+    features: torch.Tensor | None = None
+    draft_errors: list[float] = field(default_factory=list)
+    proposal_mismatches: int = 0
+    acceptance: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)  # the greedy tokens, the last one not fed
     text: str | None = None  # the prompt as text (artifacts with a tokenizer)
 
@@ -62,19 +70,75 @@ def plan(validate_cfg, max_seqs: int, vocab: int) -> list[_Script]:
             for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
 
 
-def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range") -> dict:
+def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple) -> torch.Tensor:
+    """The eager target on ``toks`` at ``start`` over the sequence's own cache: logits of every token
+    (and, with a draft, its tapped features appended to the script's)."""
+    with reference_cache(s.cache), torch.no_grad():
+        hidden, features = model.hidden_and_taps(model.embed(torch.tensor(toks)), torch.arange(start, start + len(toks)), taps)
+        if taps:
+            s.features = features if s.features is None else torch.cat([s.features, features])
+        return model.logits(hidden)
+
+
+def _speculative_round(session: Session, model, draft, rounds: dict, by_id: dict, metric: str) -> None:
+    """Check each sequence's round against the eager models: the draft's logits from the eager target's
+    features, the target's logits on the verified block; both caches rolled back as the session's."""
+    taps = tuple(draft.args.target_layer_ids)
+    for seq_id, r in rounds.items():
+        s = by_id[seq_id]
+        start = len(s.prompt) + s.decoded  # the position of the fed token
+        block = [s.next_token, *r.proposals]
+        if r.proposals:
+            with reference_cache(s.draft_cache), torch.no_grad():
+                ctx = torch.arange(start - s.features.shape[0], start)
+                h = draft(s.features[None], model.embed(torch.tensor(block)), ctx, torch.arange(start, start + len(block)))
+                want = model.logits(h[0, 1:])
+            s.draft_cache.truncate(start)  # the block was scratch
+            s.features = s.features[:0]
+            s.draft_errors.append(relative_error(r.draft_logits, want, metric))
+            s.proposal_mismatches += want.argmax(-1).tolist() != r.draft_logits.argmax(-1).tolist()
+        want = _oracle_step(model, s, block, start, taps)
+        s.errors.append(relative_error(r.logits, want, metric))
+        kept = len(r.tokens)  # the fed token and the accepted proposals stay
+        s.cache.truncate(start + kept)
+        s.features = s.features[: s.features.shape[0] - (len(block) - kept)]  # the rejected rows' features
+        s.acceptance.append(kept)
+        s.generated += r.tokens
+        s.decoded += kept
+        s.next_token = r.tokens[-1]
+
+
+def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range",
+                draft=None) -> dict:
+    """The continuous-batching episode; with ``draft``, sequences past their prompt decode by
+    speculative rounds (``Session.speculate``) while others prefill."""
     waiting, live = list(scripts), []
     stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
+    if draft is not None:
+        stats["speculative_rounds"] = 0
+    taps = tuple(draft.args.target_layer_ids) if draft is not None else ()
     budget = session.max_step_tokens
     while waiting or live:
         while waiting and len(live) < session.max_seqs:
             script = waiting.pop(0)
             script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
+            if draft is not None:
+                script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
             session.add(script.seq_id)
             live.append(script)
         stats["max_live"] = max(stats["max_live"], len(live))
+        by_id = {s.seq_id: s for s in live}
         feeds, room = {}, budget
         decoding = [s for s in live if s.fed == len(s.prompt)]
+        if draft is not None and decoding:  # every decoding sequence speculates, in one round
+            rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
+            _speculative_round(session, model, draft, rounds, by_id, metric)
+            stats["speculative_rounds"] += 1
+            stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
+            _finish(session, live)
+            decoding = []
+            if not any(s.fed < len(s.prompt) for s in live):
+                continue
         for s in decoding:  # decodes first, one token each
             feeds[s.seq_id] = [s.next_token]
             room -= 1
@@ -89,13 +153,9 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
         stats["mixed_steps"] += bool(decoding) and prefilling > 0
         stats["decode_steps"] += not prefilling
         stats["tokens"] += sum(len(t) for t in feeds.values())
-        by_id = {s.seq_id: s for s in live}
         for seq_id, toks in feeds.items():
             s = by_id[seq_id]
-            start = s.fed + s.decoded
-            with reference_cache(s.cache), torch.no_grad():
-                emb = model.embed(torch.tensor(toks))
-                want = model.logits(model.hidden(emb, torch.arange(start, start + len(toks)))[-1:])[0]
+            want = _oracle_step(model, s, toks, s.fed + s.decoded, taps)[-1]
             s.errors.append(relative_error(logits[seq_id], want, metric))
             if s.fed < len(s.prompt):
                 s.fed += len(toks)
@@ -104,34 +164,41 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             s.next_token = int(logits[seq_id].argmax())
             if s.fed == len(s.prompt):
                 s.generated.append(s.next_token)
-        for s in list(live):
-            if s.fed == len(s.prompt) and s.decoded >= s.decode_steps:
-                session.release(s.seq_id)
-                live.remove(s)
+        _finish(session, live)
     return stats
 
 
-def backend_graphs(model_cfg, kv_cfg, backend_cfg) -> dict:
+def _finish(session: Session, live: list[_Script]) -> None:
+    for s in list(live):
+        if s.fed == len(s.prompt) and s.decoded >= s.decode_steps:
+            session.release(s.seq_id)
+            live.remove(s)
+
+
+SECTIONS = ("model", "draft", "kv", "backend")  # what export and lower_kv read
+
+
+def backend_graphs(sections: dict) -> dict:
     """export -> lower_kv -> the graphs the backend compiles, from the config alone (the GPU
-    validation's child process rebuilds them this way; configs as plain containers)."""
+    validation's child process rebuilds them this way; ``sections``: SECTIONS as plain containers)."""
     from omegaconf import OmegaConf
 
     from pipeline.backends import backend
     from pipeline.stages import export, lower_kv
 
-    model_cfg, kv_cfg, backend_cfg = (OmegaConf.create(c) for c in (model_cfg, kv_cfg, backend_cfg))
+    model_cfg, draft_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
     # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
-    exported = export.run(model_cfg, kv_cfg, {}, None)
-    lowered = lower_kv.run(kv_cfg, backend_cfg, exported, None)
+    exported = export.run(model_cfg, draft_cfg, kv_cfg, {}, None)
+    lowered = lower_kv.run(model_cfg, kv_cfg, backend_cfg, exported, None)
     return backend(backend_cfg.name).programs(lowered["lowered"])
 
 
-def graphs_recipe(model_cfg, kv_cfg, backend_cfg):
-    """``backend_graphs`` for these sections as a picklable call (for a child process)."""
+def graphs_recipe(sections: dict):
+    """``backend_graphs`` for these config sections as a picklable call (for a child process)."""
     from omegaconf import OmegaConf
 
-    return functools.partial(backend_graphs, *(OmegaConf.to_container(c, resolve=True)
-                                               for c in (model_cfg, kv_cfg, backend_cfg)))
+    return functools.partial(backend_graphs, {name: OmegaConf.to_container(sections[name], resolve=True)
+                                              for name in SECTIONS})
 
 
 def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) -> None:
@@ -145,21 +212,31 @@ def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) 
                                    f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
 
 
-def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
-    model = inputs["model"]
+def run(validate_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
+    model, draft = inputs["model"], inputs["draft"]
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
-    with backend(backend_cfg.name).session(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs, workdir) as (session, runtime):
+        draft = copy.deepcopy(draft).float() if draft is not None else None
+    sections = {"model": model_cfg, "draft": draft_cfg, "kv": kv_cfg, "backend": backend_cfg}
+    with backend(backend_cfg.name).session(validate_cfg, sections, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
             _text_prompts(scripts, list(validate_cfg.prompts), session)
-        print(f"  episode: {len(scripts)} sequences through {session.layout} (max_seqs={session.max_seqs})", flush=True)
-        stats = run_episode(session, model, scripts, kv_cfg.causal, validate_cfg.metric)
+        how = "speculatively (DFlash draft) " if draft is not None else ""
+        print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
+        stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft)
     worst = max(max(s.errors) for s in scripts)
     if scripts[0].text is not None:
         decode = session.tokenizer.decode
         text = {s.seq_id: {"prompt": s.text, "continuation": decode(s.generated, skip_special_tokens=True)} for s in scripts}
     passed = worst <= validate_cfg.tolerance
+    failures = [] if passed else [
+        f"max relative logit error {worst:.3e} exceeds validate.tolerance={validate_cfg.tolerance}"]
+    speculative = {}
+    if draft is not None:
+        speculative, spec_failures = _speculative_report(model, scripts, validate_cfg.tolerance)
+        failures += spec_failures
+        passed = not failures
     report = {
         "scenario": {
             "layout": session.layout, "max_seqs": session.max_seqs,
@@ -173,13 +250,40 @@ def run(validate_cfg, model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Pat
         "per_sequence": {s.seq_id: max(s.errors) for s in scripts},
         "metric_name": validate_cfg.metric,
         "max_relative_error": worst,
+        **({"speculative": speculative} if speculative else {}),
         "tolerance": validate_cfg.tolerance,
         "passed": passed,
     }
     (workdir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {validate_cfg.tolerance:.0e}) "
           f"over {stats['steps']} steps", flush=True)
-    if not passed:
-        raise ValidationFailed(
-            f"validation failed: max relative logit error {worst:.3e} exceeds validate.tolerance={validate_cfg.tolerance}")
+    if speculative:
+        print(f"  speculative: {stats['speculative_rounds']} rounds, mean acceptance {speculative['mean_acceptance']:.2f} "
+              f"tokens/round, draft error {speculative['draft_max_relative_error']:.2e}, output "
+              f"{'equals' if speculative['equals_greedy'] else 'DIFFERS FROM'} greedy", flush=True)
+    if failures:
+        raise ValidationFailed("validation failed: " + "; ".join(failures))
     return {"validation": report}
+
+
+def _speculative_report(model, scripts: list[_Script], tolerance: float) -> tuple[dict, list[str]]:
+    """Acceptance per sequence, the draft's logit error, and the output against plain greedy decoding
+    of the eager target (a fresh cache per sequence)."""
+    from pipeline.runtime.speculative import greedy_generate
+
+    differs = [s.seq_id for s in scripts if s.generated != greedy_generate(model, s.prompt, len(s.generated))]
+    draft_worst = max((e for s in scripts for e in s.draft_errors), default=0.0)
+    rounds = [n for s in scripts for n in s.acceptance]
+    report = {
+        "equals_greedy": not differs,
+        "draft_max_relative_error": draft_worst,
+        "proposal_mismatches": sum(s.proposal_mismatches for s in scripts),  # rounds whose proposals differ from the eager draft's
+        "mean_acceptance": sum(rounds) / max(len(rounds), 1),
+        "acceptance": {s.seq_id: s.acceptance for s in scripts},
+    }
+    failures = []
+    if differs:
+        failures.append(f"the speculative output of {', '.join(differs)} differs from greedy decoding of the target")
+    if draft_worst > tolerance:
+        failures.append(f"the draft's max relative logit error {draft_worst:.3e} exceeds validate.tolerance={tolerance}")
+    return report, failures

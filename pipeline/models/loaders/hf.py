@@ -58,14 +58,14 @@ def read_config(path: Path) -> tuple[str, dict]:
     return fam.name, settings
 
 
-def _files(path: Path) -> list[Path]:
+def safetensor_files(path: Path, setting: str = "model.checkpoint") -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise BuildError(f"model.checkpoint={path}: no *.safetensors file")
+        raise BuildError(f"{setting}={path}: no *.safetensors file")
     return files
 
 
@@ -73,7 +73,7 @@ def read_weights(path: Path, args) -> dict:
     from safetensors import SafetensorError, safe_open
 
     weights = {}
-    for file in _files(path):
+    for file in safetensor_files(path):
         if not file.is_file():
             raise BuildError(f"model.checkpoint={path}: shard {file.name} listed in the index is missing")
         print(f"  read {file.name}", flush=True)
