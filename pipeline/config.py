@@ -54,7 +54,22 @@ class DraftConfig:
 
 @dataclass
 class VisionConfig:
+    """A vision encoder (``models/vision.py``) for one fixed square image size; ``name: none``: none."""
+
     name: str = "none"
+    family: str = "smolvlm"  # smolvlm: a SigLIP-style tower with SmolVLM's connector
+    image_size: int = 32  # the exported image size (pixels per side); larger images are refused
+    patch_size: int = 8
+    num_channels: int = 3
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    hidden_dim: int = 64
+    norm_eps: float = 1e-6
+    scale_factor: int = 2  # pixel shuffle: scale_factor**2 patches per image token
+    out_dim: int | None = None  # the image tokens' width; null: the target's (any other value is refused)
+    image_token_id: int = 2  # the placeholder token a prompt carries once per image token
+    seed: int = 2
 
 
 @dataclass
@@ -92,7 +107,7 @@ class ValidateConfig:
 @dataclass
 class BuildConfig:
     experiment_name: str = "default"
-    stages: list[str] = field(default_factory=lambda: ["export", "lower_kv", "compile", "validate"])
+    stages: list[str] = field(default_factory=lambda: ["export_vision", "export", "lower_kv", "compile", "validate"])
     output_root: str = "outputs"
     force: bool = False  # build a new version even when an identical one exists
     # refuse a build whose estimated peak memory exceeds this many GB; null: this machine's memory

@@ -95,7 +95,36 @@ def check_draft(draft, target: ModelArgs, draft_cfg) -> None:
         raise ConfigError(f"draft.head_dim={draft.head_dim} is odd; RoPE rotates pairs, choose an even one")
 
 
-def check_episode(validate_cfg, layout: KVLayout, draft=None) -> None:
+def check_vision(vision_cfg, target: ModelArgs, layout: KVLayout):
+    """The encoder against the target: its tokens at the target's width, its placeholder a token of
+    the target, an image's tokens within one sequence's context. Returns its VisionArgs."""
+    from pipeline.models.args import vision_args
+
+    if vision_cfg.family != "smolvlm":
+        raise ConfigError(f"vision.family={vision_cfg.family} is not a vision family the artifact builds; choose smolvlm")
+    if vision_cfg.out_dim is not None and vision_cfg.out_dim != target.dim:
+        raise ConfigError(f"vision.out_dim={vision_cfg.out_dim} differs from the target's width model.dim={target.dim}: "
+                          "image tokens replace token embeddings; set vision.out_dim to null or to the target's width")
+    for name in ("image_size", "patch_size", "dim", "n_layers", "n_heads", "hidden_dim", "scale_factor", "num_channels"):
+        if vision_cfg[name] < 1:
+            raise ConfigError(f"vision.{name}={vision_cfg[name]} must be a positive integer")
+    step = vision_cfg.patch_size * vision_cfg.scale_factor
+    if vision_cfg.image_size % step:
+        raise ConfigError(f"vision.image_size={vision_cfg.image_size} must be a multiple of vision.patch_size x "
+                          f"vision.scale_factor = {step}")
+    if vision_cfg.dim % vision_cfg.n_heads:
+        raise ConfigError(f"vision.dim={vision_cfg.dim} is not a multiple of vision.n_heads={vision_cfg.n_heads}")
+    if not 0 <= vision_cfg.image_token_id < target.vocab_size:
+        raise ConfigError(f"vision.image_token_id={vision_cfg.image_token_id} is not a token of the target's vocabulary "
+                          f"(model.vocab_size={target.vocab_size})")
+    args = vision_args(vision_cfg, target)
+    if layout.max_seq_len is not None and args.n_image_tokens > layout.max_seq_len:
+        raise ConfigError(f"an image is {args.n_image_tokens} tokens (vision.image_size={vision_cfg.image_size}), more than "
+                          f"a sequence's context kv.capacity={layout.max_seq_len}; raise kv.capacity or lower vision.image_size")
+    return args
+
+
+def check_episode(validate_cfg, layout: KVLayout, draft=None, vision=None) -> None:
     """The validate stage's episode must fit in the artifact it validates."""
     lengths = list(validate_cfg.prompt_lengths)
     if not lengths or min(lengths) < 1:
@@ -106,6 +135,7 @@ def check_episode(validate_cfg, layout: KVLayout, draft=None) -> None:
         raise ConfigError(f"validate.tolerance={validate_cfg.tolerance} must be positive")
     # a speculative round may write a block past the last token it keeps
     spill = draft.block_size - 1 if draft is not None else 0
+    spill += vision.n_image_tokens if vision is not None else 0  # image sequences carry an image's tokens
     totals = sorted((p + d + spill for p, d in episode_sequences(validate_cfg, layout.max_seqs)), reverse=True)
     if layout.max_seq_len is not None and totals[0] > layout.max_seq_len:
         raise ConfigError(

@@ -36,7 +36,7 @@ def check_config(cfg: DictConfig) -> list:
     the model's shapes, the KV layout, the validation episode against it and the build's memory."""
     from pipeline.backends import backend
     from pipeline.config import DTYPES, GPU_RUNTIMES, METRICS, unknown_settings
-    from pipeline.feasibility import check_draft, check_episode, check_memory, check_model
+    from pipeline.feasibility import check_draft, check_episode, check_memory, check_model, check_vision
     from pipeline.kv.layouts import model_layouts
     from pipeline.models.args import draft_args, model_args
     from pipeline.models.families import family
@@ -53,8 +53,6 @@ def check_config(cfg: DictConfig) -> list:
         raise ConfigError(f"validate.metric={cfg.validate.metric} is not a metric; choose {' or '.join(METRICS)}")
     if cfg.validate.runtime not in GPU_RUNTIMES:
         raise ConfigError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose {' or '.join(GPU_RUNTIMES)}")
-    if cfg.vision.name != "none":
-        raise ConfigError(f"vision={cfg.vision.name} is not supported yet; use vision=none")
     if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
     args = model_args(cfg.model)
@@ -64,8 +62,14 @@ def check_config(cfg: DictConfig) -> list:
         draft = draft_args(cfg.draft, args)
         check_draft(draft, args, cfg.draft)
     layouts = model_layouts(cfg.kv, args, cfg.model.causal, draft)
+    vision = None
+    if cfg.vision.name != "none":
+        if "export" in stages and "export_vision" not in stages:
+            raise ConfigError(f"vision={cfg.vision.name} needs the export_vision stage: add it to stages "
+                              "(stages=[export_vision,export,...]) or choose vision=none")
+        vision = check_vision(cfg.vision, args, layouts["target"])
     if "validate" in stages:
-        check_episode(cfg.validate, layouts["target"], draft)
+        check_episode(cfg.validate, layouts["target"], draft, vision)
     if "lower_kv" in stages:  # the KV stores exist from lower_kv on
         check_memory(layouts, args, cfg.model.dtype, cfg.memory_budget_gb)
     needs_gpu = {"compile", "validate"} & stages
@@ -287,7 +291,7 @@ def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cf
     for i, stage in enumerate(plan, 1):
         print(f"[{i}/{len(plan)}] {stage.name}", flush=True)
         start = time.perf_counter()
-        inputs = {name: artifacts[name] for name in stage.needs}
+        inputs = {name: artifacts[name] for name in (*stage.needs, *stage.optional) if name in artifacts}
         with _heartbeat(stage.name):
             outputs = stage.load()(*(cfg[s] for s in stage.sections), inputs, work)
         timings[stage.name] = round(time.perf_counter() - start, 3)

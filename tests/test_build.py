@@ -16,7 +16,7 @@ def test_default_build(build_dir):
     for name in ("model.pte", "manifest.json", "build.json", "validation.json", ".hydra/config.yaml", ".hydra/overrides.yaml"):
         assert (version / name).exists(), name
     record = json.loads((version / "build.json").read_text())
-    assert set(record["stage_seconds"]) == {"export", "lower_kv", "compile", "validate"}
+    assert set(record["stage_seconds"]) == {"export_vision", "export", "lower_kv", "compile", "validate"}
     assert record["tools"]["executorch"] == "1.5.1" and record["tools"]["torch"].startswith("2.")
     assert record["artifacts"]["model.pte"]["bytes"] == (version / "model.pte").stat().st_size
     assert record["validation_passed"] is True
@@ -26,7 +26,7 @@ def test_default_build(build_dir):
     # KV bytes: the build record, the manifest's formula and its per-layer store shapes agree
     formula = [2 * layer["rows"] * kv["columns"] * kv["n_kv_heads"] * kv["head_dim"] * 4 for layer in kv["layers"]]
     shapes = [2 * layer["store_shape"][0] * layer["store_shape"][1] * layer["store_shape"][2] * 4 for layer in kv["layers"]]
-    assert record["kv_bytes_per_layer"] == formula == shapes and record["kv_bytes_total"] == sum(formula)
+    assert record["models"]["target"]["kv_bytes_per_layer"] == formula == shapes and record["kv_bytes_total"] == sum(formula)
 
 
 def test_program_matches_oracle_directly(build_dir):
@@ -132,8 +132,8 @@ def test_kv_bytes_match_planned_stores(build_dir):
         assert set(planned) == {"target_forward_from_embeddings"}
         forward = planned["target_forward_from_embeddings"]
         assert sum(b for b, _, _ in forward.values()) == record["kv_bytes_total"]
-        per_layer = [forward[f"kv_store.k_{i}"][0] + forward[f"kv_store.v_{i}"][0] for i in range(len(record["kv_bytes_per_layer"]))]
-        assert per_layer == record["kv_bytes_per_layer"]
+        want = record["models"]["target"]["kv_bytes_per_layer"]
+        assert [forward[f"kv_store.k_{i}"][0] + forward[f"kv_store.v_{i}"][0] for i in range(len(want))] == want
 
 
 def test_bf16_build_records_its_weights(tmp_path):

@@ -19,7 +19,7 @@ def test_defaults():
     cfg = compose_config()
     assert cfg.model.name == "tiny" and cfg.kv.layout == "sequence" and cfg.kv.max_seqs == 1
     assert cfg.backend.name == "xnnpack" and cfg.draft.name == "none" and cfg.vision.name == "none"
-    assert list(cfg.stages) == ["export", "lower_kv", "compile", "validate"]
+    assert list(cfg.stages) == ["export_vision", "export", "lower_kv", "compile", "validate"]
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
@@ -54,7 +54,7 @@ BAD_INPUT = [
     (["kv=foo"], ["kv=foo", "cell", "sequence"]),
     (["kv.max_seqs=0"], ["kv.max_seqs=0", "at least 1"]),
     (["kv.capacity=-5"], ["kv.capacity=-5", "positive"]),
-    (["stages=[export,frobnicate]"], ["frobnicate", "export, lower_kv, compile, validate"]),
+    (["stages=[export,frobnicate]"], ["frobnicate", "export_vision, export, lower_kv, compile, validate"]),
     (["stages=[compile,export]"], ["'compile' needs", "lower_kv", "before it"]),
     (["kv=cell", "kv.max_seqs=64"], ["kv.max_seqs=64", "63", "kv=sequence"]),
     (["kv.capacity=8", "kv.max_step_tokens=8"], ["model.sliding_window=16", "kv.capacity=8"]),
@@ -82,6 +82,11 @@ BAD_INPUT = [
     (["kv.capacity=40"], ["kv.capacity=40", "validation episode", "at least 49"]),
     (["kv=cell", "kv.max_seqs=32"], ["kv.capacity=512", "validation episode", "1044"]),
     (["validate.decode_steps=0"], ["validate.decode_steps=0", "at least 1"]),
+    # issue 12: a draft that does not fit its target
+    (["draft=dflash", "draft.target_layer_ids=[1,9]"], ["draft.target_layer_ids=[1, 9]", "layer 9", "model.n_layers=4"]),
+    (["draft=dflash", "draft.block_size=32"], ["draft.block_size=32", "kv.max_step_tokens=16"]),
+    (["draft=dflash", "draft.mask_token_id=600"], ["draft.mask_token_id=600", "model.vocab_size=512"]),
+    (["draft=dflash", "draft.checkpoint=/nonexistent"], ["draft.checkpoint=/nonexistent", "no config.json"]),
     # what gets past the checks to Hydra, shortened to one line
     (["kv.max_seqs=1,2"], ["kv.max_seqs=1,2", "add --multirun"]),
     (["hydra.job.chdir=maybe"], ["hydra.job.chdir=maybe", "not a valid bool"]),

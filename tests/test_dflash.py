@@ -115,3 +115,52 @@ def test_draft_matches_executorchs_muse_glimmer_draft():
         start += n_ctx
         cache.truncate(start)
         assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-5, n_ctx
+
+
+def _saved_reference(tmp_path, taps):
+    """A DFlash checkpoint as the reference writes it (config.json + safetensors), over a 4-layer target."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=176,
+                         num_hidden_layers=2, rms_norm_eps=1e-6, vocab_size=512, num_target_layers=4, rope_theta=10000.0,
+                         dflash_config={"block_size": 4, "target_layer_ids": taps, "mask_token_id": 3})
+    torch.manual_seed(0)
+    ref = dflash.DFlashDraftModel(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path)
+    return ref
+
+
+def test_a_dflash_checkpoint_loads_through_the_config(tmp_path):
+    """draft.checkpoint: its settings replace the preset's, its weights fill the draft, which then
+    equals the reference block after block."""
+    from conftest import compose_config
+    from pipeline.models.args import model_args
+    from pipeline.runner import check_config, resolve_model
+    from pipeline.stages.export import build_draft_model
+
+    ref = _saved_reference(tmp_path, [1, 3])
+    cfg = resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}"), [])
+    check_config(cfg)
+    assert (cfg.draft.num_hidden_layers, cfg.draft.block_size, list(cfg.draft.target_layer_ids)) == (2, 4, [1, 3])
+    ours = build_draft_model(cfg.draft, model_args(cfg.model))
+    assert run_blocks(ref, ours) <= 1e-5
+
+
+def test_a_dflash_checkpoint_that_does_not_fit_is_refused(tmp_path):
+    from conftest import compose_config
+    from pipeline.errors import ConfigError
+    from pipeline.runner import check_config, resolve_model
+
+    _saved_reference(tmp_path, [1, 5])
+    with pytest.raises(ConfigError, match=r"draft.target_layer_ids=\[1, 5\] names layer 5, but the target has model.n_layers=4"):
+        check_config(resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}"), []))
+    with pytest.raises(ConfigError, match="has hidden_size=64, but the target has model.dim=96"):
+        resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}", "model.dim=96"), [])
+    with pytest.raises(ConfigError, match="has vocab_size=512, but the target has model.vocab_size=1024"):
+        resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}", "model.vocab_size=1024"), [])
+    with pytest.raises(ConfigError, match="draft.block_size=8 contradicts"):
+        resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}", "draft.block_size=8"),
+                      ["draft.block_size=8"])

@@ -10,7 +10,8 @@ from pipeline.kv.layouts import KVLayout
 EMBED = "embed_text"
 TARGET_STEP = "target_forward_from_embeddings"
 DRAFT_STEP = "draft_forward"
-MODELS = ("target", "draft")  # the manifest's model sections, in this order
+VISION = "vision_encoder"
+MODELS = ("target", "draft", "vision")  # the manifest's model sections, in this order
 
 SCHEMA_VERSION = 2  # 2: a section per model (target, draft), step_width
 
@@ -61,12 +62,17 @@ def constant_methods(sections: dict[str, dict]) -> dict[str, object]:
         constants |= {"get_draft_offgraph_kv_causal": int(draft["causal"]), "get_block_size": draft["block_size"],
                       "get_mask_token_id": draft["mask_token_id"], "get_n_target_layers": len(draft["target_layer_ids"]),
                       "get_target_layer_ids": list(draft["target_layer_ids"])}
+    if "vision" in sections:
+        vision = sections["vision"]
+        constants |= {"has_vision_encoder": 1, "get_max_image_tokens": vision["n_image_tokens"],
+                      "get_image_size": vision["image_size"], "get_image_token_id": vision["image_token_id"],
+                      "get_vision_hidden_size": vision["out_dim"]}
     return constants
 
 
 def manifest(sections: dict[str, dict], backend: str, program: str, data_files: list[str],
              methods: dict[str, list[str]], tokenizer: str | None = None) -> dict:
-    """``sections``: each model's KV section (``target``, and ``draft`` with a draft)."""
+    """``sections``: each model's section (``target``; ``draft`` and ``vision`` when the artifact has them)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "program": program,

@@ -138,6 +138,12 @@ class VisionArgs:
         return self.n_patches // self.scale_factor**2
 
 
+def vision_args(vision_cfg, target: ModelArgs) -> VisionArgs:
+    """The ``vision`` config section as the encoder's settings, its output at the target's width."""
+    fields = {k: vision_cfg[k] for k in VisionArgs.__dataclass_fields__ if k in vision_cfg and k != "out_dim"}
+    return VisionArgs(**fields, out_dim=vision_cfg.out_dim or target.dim)
+
+
 @dataclass
 class GlimmerVisionArgs:
     """Muse Glimmer's vision tower (``models/vision.py``), in the names of ExecuTorch's

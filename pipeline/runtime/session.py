@@ -22,7 +22,7 @@ import torch
 
 from pipeline.errors import SessionError
 from pipeline.kv.layouts import SeqState, layout_from_manifest
-from pipeline.kv.manifest import DRAFT_STEP, EMBED, MODELS, TARGET_STEP, constant_methods
+from pipeline.kv.manifest import DRAFT_STEP, EMBED, MODELS, TARGET_STEP, VISION, constant_methods
 
 __all__ = ["Round", "Session", "SessionError"]
 
@@ -49,6 +49,10 @@ class Session:
         self.draft_seqs: dict[object, SeqState] = {}
         self.pending: dict[object, torch.Tensor] = {}
         self.acceptance: dict[object, list[int]] = {}  # tokens each speculative round gave a sequence
+        # a vision encoder: each sequence's image features not yet spliced over its placeholder tokens
+        self.vision = self.manifest.get("vision")
+        self.images: dict[object, torch.Tensor] = {}
+        self._image_processor = None
         self._methods = {}
         if methods is None:
             from executorch.runtime import Runtime
@@ -114,6 +118,59 @@ class Session:
         if self.draft_kv:
             self.draft_pool.release(self.draft_seqs.pop(seq_id))
             del self.pending[seq_id], self.acceptance[seq_id]
+        self.images.pop(seq_id, None)
+
+    # --- images (an artifact with a vision encoder) ---
+
+    @property
+    def image_processor(self):
+        if self._image_processor is None:
+            from pipeline.runtime.images import load_processor
+
+            self._image_processor = load_processor(self.artifact_dir / self.vision["image_processor"])
+        return self._image_processor
+
+    def add_image(self, seq_id, image) -> torch.Tensor:
+        """Encode ``image`` (a PIL image or an H x W x 3 uint8 array, at most the exported size) once
+        for ``seq_id``: its ``n_image_tokens`` features replace the embeddings of the sequence's next
+        placeholder tokens (``image_token_id``) that ``step`` feeds. Returns the features."""
+        if not self.vision:
+            raise SessionError(f"{self.artifact_dir} has no vision encoder: build with vision=smolvlm_tiny (or another)")
+        from pipeline.runtime.images import pixels
+
+        seq = self._get(seq_id)
+        queued = self.images.get(seq_id, torch.zeros(0, self.vision["out_dim"]))
+        n = self.vision["n_image_tokens"]
+        end = seq.length + len(queued) + n
+        if self.max_length is not None and end > self.max_length:
+            raise SessionError(f"sequence {seq_id!r}: the image's {n} tokens would take it to {end} tokens, past the "
+                               f"context of {self.max_length}; release it or build with a larger kv.capacity")
+        px = pixels(self.image_processor, image, self.vision["image_size"], seq_id)
+        try:
+            features = self.method(VISION).execute([px.to(getattr(torch, self.vision["dtype"]))])[0][0]
+        except Exception as err:
+            raise SessionError(f"the program failed encoding the image of sequence {seq_id!r} ({err})") from err
+        self.images[seq_id] = torch.cat([queued, features.float()])
+        return features.clone()
+
+    def _splice(self, order, embeddings: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Image features over the step's placeholder tokens, in order, while a sequence has some;
+        and the features left once the step ran (committed by the caller)."""
+        left = dict(self.images)
+        if not any(seq_id in left for seq_id, *_ in order):
+            return embeddings, left
+        embeddings, row, placeholder = embeddings.clone(), 0, self.vision["image_token_id"]
+        for seq_id, _, toks in order:
+            queued = left.get(seq_id)
+            if queued is not None:
+                rows = [row + i for i, t in enumerate(toks) if t == placeholder][: len(queued)]
+                embeddings[0, rows] = queued[: len(rows)].to(embeddings.dtype)
+                if len(rows) == len(queued):
+                    del left[seq_id]
+                else:
+                    left[seq_id] = queued[len(rows):]
+            row += len(toks)
+        return embeddings, left
 
     def _get(self, seq_id) -> SeqState:
         try:
@@ -159,12 +216,13 @@ class Session:
     def _target_step(self, order, token_t, pos_t, logit_rows, step_buffers) -> tuple[torch.Tensor, torch.Tensor | None]:
         """embed_text, then the target's step: its logits rows and (with a draft) every token's features."""
         try:
-            embeddings = self.method(EMBED).execute([token_t])[0]
+            embeddings, images_left = self._splice(order, self.method(EMBED).execute([token_t])[0])
             out = self.method(TARGET_STEP).execute([embeddings, pos_t, logit_rows, *step_buffers])
         except Exception as err:
             ids = ", ".join(repr(seq_id) for seq_id, *_ in order)
             raise SessionError(f"the program failed on the step of sequences {ids} ({err}); "
                                "the session is unchanged") from err
+        self.images = images_left
         return out[0], (out[1] if self.draft_kv else None)
 
     def _keep_features(self, kept: list[tuple[object, int, int]], features: torch.Tensor | None) -> None:
@@ -223,6 +281,9 @@ class Session:
             (token,) = self._tokens(seq_id, [token])
             if seq.length == 0:
                 raise SessionError(f"sequence {seq_id!r} is empty: prefill its prompt with step() before speculating")
+            if seq_id in self.images:
+                raise SessionError(f"sequence {seq_id!r} has image features whose placeholder tokens were not fed yet; "
+                                   "feed them with step() before speculating")
             limit = self.kv_layout.session_length_limit
             room = self.block_size if limit is None else min(self.block_size, limit - seq.length)
             if room < 1:

@@ -65,13 +65,15 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int,
     return result
 
 
-def greedy_generate(target, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding on a reference cache, one target step per token."""
+def greedy_generate(target, prompt: list[int], max_new_tokens: int, embeddings=None) -> list[int]:
+    """Plain greedy decoding on a reference cache, one target step per token; ``embeddings``: the
+    prompt's, when they are not its tokens' (an image's features spliced in)."""
     cache = ReferenceCache(target.args.layer_kv())
     out, step, start = [], list(prompt), 0
     with torch.no_grad(), reference_cache(cache):
         for _ in range(max_new_tokens):
-            hidden = target.hidden(target.embed(torch.tensor(step)), torch.arange(start, start + len(step)))
+            emb = embeddings if start == 0 and embeddings is not None else target.embed(torch.tensor(step))
+            hidden = target.hidden(emb, torch.arange(start, start + len(step)))
             start += len(step)
             step = [int(target.logits(hidden[-1:]).argmax(-1))]
             out.append(step[0])

@@ -15,6 +15,7 @@ class Stage:
     sections: tuple[str, ...]  # config sections passed to run, in order
     needs: tuple[str, ...]  # artifacts from earlier stages
     gives: tuple[str, ...]
+    optional: tuple[str, ...] = ()  # artifacts of earlier stages it takes when they ran (export_vision's)
 
     def load(self):
         import importlib
@@ -25,11 +26,13 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
+        Stage("export_vision", ("vision", "model"), (), ("vision", "vision_exported", "vision_section")),
         Stage("export", ("model", "draft", "kv"), (), ("model", "draft", "exported", "tokenizer")),
         Stage("lower_kv", ("model", "kv", "backend"), ("model", "draft", "exported"), ("layouts", "lowered", "kv_sections")),
-        Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer"), ("program", "manifest")),
+        Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer"), ("program", "manifest"),
+              optional=("vision_exported", "vision_section")),
         Stage("validate", ("validate", "model", "draft", "kv", "backend"), ("model", "draft", "lowered", "program"),
-              ("validation",)),
+              ("validation",), optional=("vision",)),
     )
 }
 

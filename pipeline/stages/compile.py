@@ -1,6 +1,7 @@
 """compile: ExecuTorch program from the lowered methods; writes model.pte (+ .ptd) and manifest.json.
 
-needs: lowered, kv_sections, tokenizer    gives: program (path of model.pte), manifest
+needs: lowered, kv_sections, tokenizer (and export_vision's vision_exported, vision_section)
+gives: program (path of model.pte), manifest
 
 What differs by backend (the graphs it compiles, its partitioners, memory planning, data files) is
 the backend object's (``pipeline/backends/``).
@@ -17,13 +18,16 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    lowered = inputs["lowered"]
+    lowered = inputs["lowered"] | inputs.get("vision_exported", {})
+    sections = dict(inputs["kv_sections"])
+    if inputs.get("vision_section"):
+        sections["vision"] = inputs["vision_section"]
     backend = get_backend(backend_cfg.name)
     programs = backend.programs(lowered)
     print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(programs)}", flush=True)
     edge = to_edge_transform_and_lower(
         programs, partitioner=backend.partitioners(list(programs)),
-        constant_methods=constant_methods(inputs["kv_sections"]),
+        constant_methods=constant_methods(sections),
         compile_config=EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check),
     )
     for name in programs:
@@ -43,6 +47,6 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     methods = {name: [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
                for name, ep in lowered.items()}
     tokenizer = inputs["tokenizer"] and inputs["tokenizer"].name
-    doc = manifest(inputs["kv_sections"], backend.name, program.name, data_files, methods, tokenizer)
+    doc = manifest(sections, backend.name, program.name, data_files, methods, tokenizer)
     (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     return {"program": program, "manifest": doc}

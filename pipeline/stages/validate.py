@@ -51,6 +51,12 @@ class _Script:
     draft_errors: list[float] = field(default_factory=list)
     proposal_mismatches: int = 0
     acceptance: list[int] = field(default_factory=list)
+    # an image sequence (an artifact with a vision encoder): the image, the eager encoder's features
+    # not yet spliced, the .pte's features against them
+    image: object = None
+    image_features: torch.Tensor | None = None
+    image_embedding: torch.Tensor | None = None  # the prompt's eager embeddings, the image spliced in
+    vision_error: float | None = None
     generated: list[int] = field(default_factory=list)  # the greedy tokens, the last one not fed
     text: str | None = None  # the prompt as text (artifacts with a tokenizer)
 
@@ -70,11 +76,47 @@ def plan(validate_cfg, max_seqs: int, vocab: int) -> list[_Script]:
             for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
 
 
-def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple) -> torch.Tensor:
+def add_images(scripts: list[_Script], vision: dict, seed: int) -> None:
+    """Every other sequence (seq1, seq3, ...) gets a random image: its placeholder tokens go in after the
+    prompt's first token, and no other token of the prompt is the placeholder."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    placeholder, size = vision["image_token_id"], vision["image_size"]
+    for s in scripts[1::2]:
+        s.image = rng.integers(0, 256, (size, size, vision["num_channels"]), dtype=np.uint8)
+        text = [t if t != placeholder else (t + 1) % 2**31 for t in s.prompt]
+        s.prompt = text[:1] + [placeholder] * vision["n_image_tokens"] + text[1:]
+
+
+def _encode_image(session: Session, model, vision_model, s: _Script, metric: str) -> None:
+    """The image through the .pte's vision_encoder (the session keeps its features) and the eager one."""
+    from pipeline.runtime.images import pixels
+
+    got = session.add_image(s.seq_id, s.image)
+    with torch.no_grad():
+        want = vision_model(pixels(session.image_processor, s.image, session.vision["image_size"]).float())[0]
+    s.image_features = want
+    s.vision_error = relative_error(got, want, metric)
+    placeholder = session.vision["image_token_id"]
+    with torch.no_grad():
+        s.image_embedding = model.embed(torch.tensor(s.prompt)).clone()
+    rows = [i for i, t in enumerate(s.prompt) if t == placeholder][: len(want)]
+    s.image_embedding[0, rows] = want[: len(rows)]
+
+
+def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple, placeholder: int | None = None) -> torch.Tensor:
     """The eager target on ``toks`` at ``start`` over the sequence's own cache: logits of every token
-    (and, with a draft, its tapped features appended to the script's)."""
+    (and, with a draft, its tapped features appended to the script's). An image sequence's eager
+    features replace its placeholder tokens' embeddings."""
     with reference_cache(s.cache), torch.no_grad():
-        hidden, features = model.hidden_and_taps(model.embed(torch.tensor(toks)), torch.arange(start, start + len(toks)), taps)
+        emb = model.embed(torch.tensor(toks))
+        if s.image_features is not None and len(s.image_features):
+            rows = [i for i, t in enumerate(toks) if t == placeholder][: len(s.image_features)]
+            emb = emb.clone()
+            emb[0, rows] = s.image_features[: len(rows)]
+            s.image_features = s.image_features[len(rows):]
+        hidden, features = model.hidden_and_taps(emb, torch.arange(start, start + len(toks)), taps)
         if taps:
             s.features = features if s.features is None else torch.cat([s.features, features])
         return model.logits(hidden)
@@ -88,10 +130,11 @@ def _speculative_round(session: Session, model, draft, rounds: dict, by_id: dict
         s = by_id[seq_id]
         start = len(s.prompt) + s.decoded  # the position of the fed token
         block = [s.next_token, *r.proposals]
-        if r.proposals:
+        if r.proposals:  # the draft's block: the fed token, then mask tokens
+            masked = [s.next_token] + [draft.args.mask_token_id] * len(r.proposals)
             with reference_cache(s.draft_cache), torch.no_grad():
                 ctx = torch.arange(start - s.features.shape[0], start)
-                h = draft(s.features[None], model.embed(torch.tensor(block)), ctx, torch.arange(start, start + len(block)))
+                h = draft(s.features[None], model.embed(torch.tensor(masked)), ctx, torch.arange(start, start + len(block)))
                 want = model.logits(h[0, 1:])
             s.draft_cache.truncate(start)  # the block was scratch
             s.features = s.features[:0]
@@ -109,9 +152,11 @@ def _speculative_round(session: Session, model, draft, rounds: dict, by_id: dict
 
 
 def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range",
-                draft=None) -> dict:
+                draft=None, vision=None) -> dict:
     """The continuous-batching episode; with ``draft``, sequences past their prompt decode by
-    speculative rounds (``Session.speculate``) while others prefill."""
+    speculative rounds (``Session.speculate``) while others prefill; with ``vision``, image sequences
+    have their image encoded once they join."""
+    placeholder = session.vision["image_token_id"] if session.vision else None
     waiting, live = list(scripts), []
     stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
     if draft is not None:
@@ -125,6 +170,8 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             if draft is not None:
                 script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
             session.add(script.seq_id)
+            if script.image is not None:
+                _encode_image(session, model, vision, script, metric)
             live.append(script)
         stats["max_live"] = max(stats["max_live"], len(live))
         by_id = {s.seq_id: s for s in live}
@@ -155,7 +202,7 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
         stats["tokens"] += sum(len(t) for t in feeds.values())
         for seq_id, toks in feeds.items():
             s = by_id[seq_id]
-            want = _oracle_step(model, s, toks, s.fed + s.decoded, taps)[-1]
+            want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
             s.errors.append(relative_error(logits[seq_id], want, metric))
             if s.fed < len(s.prompt):
                 s.fed += len(toks)
@@ -213,18 +260,21 @@ def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) 
 
 
 def run(validate_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
-    model, draft = inputs["model"], inputs["draft"]
+    model, draft, vision = inputs["model"], inputs["draft"], inputs.get("vision")
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
+        vision = copy.deepcopy(vision).float() if vision is not None else None
     sections = {"model": model_cfg, "draft": draft_cfg, "kv": kv_cfg, "backend": backend_cfg}
     with backend(backend_cfg.name).session(validate_cfg, sections, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
             _text_prompts(scripts, list(validate_cfg.prompts), session)
-        how = "speculatively (DFlash draft) " if draft is not None else ""
+        if vision is not None:
+            add_images(scripts, session.vision, validate_cfg.seed)
+        how = ("speculatively (DFlash draft) " if draft is not None else "") + ("with images " if vision is not None else "")
         print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
-        stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft)
+        stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft, vision)
     worst = max(max(s.errors) for s in scripts)
     if scripts[0].text is not None:
         decode = session.tokenizer.decode
@@ -232,6 +282,13 @@ def run(validate_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, w
     passed = worst <= validate_cfg.tolerance
     failures = [] if passed else [
         f"max relative logit error {worst:.3e} exceeds validate.tolerance={validate_cfg.tolerance}"]
+    images = {}
+    if vision is not None:
+        vision_worst = max(s.vision_error for s in scripts if s.image is not None)
+        images = {"sequences": [s.seq_id for s in scripts if s.image is not None], "vision_max_relative_error": vision_worst}
+        if vision_worst > validate_cfg.tolerance:
+            failures.append(f"the vision encoder's max relative error {vision_worst:.3e} exceeds validate.tolerance")
+            passed = False
     speculative = {}
     if draft is not None:
         speculative, spec_failures = _speculative_report(model, scripts, validate_cfg.tolerance)
@@ -251,12 +308,16 @@ def run(validate_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, w
         "metric_name": validate_cfg.metric,
         "max_relative_error": worst,
         **({"speculative": speculative} if speculative else {}),
+        **({"images": images} if images else {}),
         "tolerance": validate_cfg.tolerance,
         "passed": passed,
     }
     (workdir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {validate_cfg.tolerance:.0e}) "
           f"over {stats['steps']} steps", flush=True)
+    if images:
+        print(f"  images: {', '.join(images['sequences'])}, vision encoder error {images['vision_max_relative_error']:.2e}",
+              flush=True)
     if speculative:
         print(f"  speculative: {stats['speculative_rounds']} rounds, mean acceptance {speculative['mean_acceptance']:.2f} "
               f"tokens/round, draft error {speculative['draft_max_relative_error']:.2e}, output "
@@ -271,7 +332,8 @@ def _speculative_report(model, scripts: list[_Script], tolerance: float) -> tupl
     of the eager target (a fresh cache per sequence)."""
     from pipeline.runtime.speculative import greedy_generate
 
-    differs = [s.seq_id for s in scripts if s.generated != greedy_generate(model, s.prompt, len(s.generated))]
+    differs = [s.seq_id for s in scripts
+               if s.generated != greedy_generate(model, s.prompt, len(s.generated), s.image_embedding)]
     draft_worst = max((e for s in scripts for e in s.draft_errors), default=0.0)
     rounds = [n for s in scripts for n in s.acceptance]
     report = {

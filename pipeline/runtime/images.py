@@ -1,0 +1,35 @@
+"""Images for an artifact's vision encoder: SmolVLM's image processor (transformers', its PIL
+backend: no torchvision), set to the exported image size, and the refusal of images it would shrink."""
+
+import numpy as np
+import torch
+
+from pipeline.errors import SessionError
+
+
+def image_processor(image_size: int):
+    """SmolVLM's processor for one ``image_size`` square per image (no splitting into tiles): resize,
+    rescale to [0, 1], normalise with mean and std 0.5."""
+    from transformers import SmolVLMImageProcessorPil
+
+    edge = {"longest_edge": image_size}
+    return SmolVLMImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
+
+
+def load_processor(path):
+    from transformers import SmolVLMImageProcessorPil
+
+    return SmolVLMImageProcessorPil.from_pretrained(str(path))
+
+
+def pixels(processor, image, image_size: int, seq_id=None) -> torch.Tensor:
+    """The encoder's input [1, 3, image_size, image_size] for ``image`` (a PIL image or an H x W x 3
+    array); an image larger than the exported size is refused, naming both sizes (the artifact
+    would otherwise shrink it silently)."""
+    height, width = (image.height, image.width) if hasattr(image, "height") else np.asarray(image).shape[:2]
+    if height > image_size or width > image_size:
+        who = f"sequence {seq_id!r}: " if seq_id is not None else ""
+        raise SessionError(f"{who}the image is {width}x{height} pixels, larger than the artifact's exported image size "
+                           f"{image_size}x{image_size}; resize it first or build with a larger vision.image_size")
+    out = processor(images=[[image]], return_tensors="pt")
+    return out["pixel_values"][0].float()

@@ -1,0 +1,161 @@
+"""An artifact with a DFlash draft: its manifest and constants, its validation, and speculative
+sessions through the .pte that equal the target's greedy decoding whatever the draft proposes."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import compose_config
+from pipeline.runtime.session import Session, SessionError
+from pipeline.runtime.speculative import greedy_generate
+from pipeline.stages.export import build_draft_model, build_target
+
+DRAFT_BATCHED = ("draft=dflash", "kv=sequence", "kv.max_seqs=4", "backend=portable", "experiment_name=draft4")
+DRAFT_CELL = ("draft=dflash", "kv=cell", "kv.max_seqs=4", "backend=portable", "experiment_name=draftcell4")
+PROMPTS = {"a": [5, 17, 300, 42, 9, 77, 1, 250, 11], "b": [400, 3], "c": list(range(60, 90)), "d": [128]}
+NEW_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def batched(build_dir):
+    return build_dir(*DRAFT_BATCHED)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    """The eager target's greedy continuation of each prompt (the output every speculative run must give)."""
+    target, _ = build_target(compose_config(*DRAFT_BATCHED).model, None)
+    out = {seq_id: greedy_generate(target, prompt, NEW_TOKENS + 1) for seq_id, prompt in PROMPTS.items()}
+    assert all(len(set(tokens)) > 5 for tokens in out.values()), "the continuations vary"
+    return out
+
+
+def test_manifest_has_a_section_per_model(batched):
+    manifest = json.loads((batched / "manifest.json").read_text())
+    target, draft = manifest["target"], manifest["draft"]
+    assert (target["layout"], target["max_seqs"], target["causal"]) == ("batched-sequence", 4, True)
+    assert (draft["layout"], draft["max_seqs"], draft["causal"]) == ("batched-sequence", 4, False)
+    assert (draft["block_size"], draft["target_layer_ids"], draft["mask_token_id"]) == (8, [1, 3], 1)
+    assert len(draft["layers"]) == 1 and target["step_width"] == 4 * 8
+    assert set(manifest["methods"]) == {"embed_text", "target_forward_from_embeddings", "draft_forward"}
+    record = json.loads((batched / "build.json").read_text())
+    assert set(record["models"]) == {"target", "draft"}
+    assert record["models"]["draft"]["causal"] is False
+    assert record["kv_bytes_total"] == target["kv_bytes_total"] + draft["kv_bytes_total"]
+
+
+def test_constant_methods_agree(batched):
+    s = Session(batched)  # checks every constant method against the manifest
+    assert s.constant("get_offgraph_kv_max_seqs") == 4 and s.constant("get_draft_offgraph_kv_max_seqs") == 4
+    assert s.constant("get_draft_offgraph_kv_seq_capacity") == 128 and s.constant("get_draft_offgraph_kv_causal") == 0
+    assert s.constant("get_block_size") == 8 and s.constant("get_mask_token_id") == 1
+    assert s.constant("get_target_layer_ids", many=True) == [1, 3] and s.constant("get_n_target_layers") == 2
+
+
+def test_validation_ran_speculatively(batched):
+    report = json.loads((batched / "validation.json").read_text())
+    spec = report["speculative"]
+    assert report["passed"] and spec["equals_greedy"] and spec["proposal_mismatches"] == 0
+    assert spec["draft_max_relative_error"] < 1e-5 and report["scenario"]["speculative_rounds"] > 10
+    assert all(spec["acceptance"].values())
+
+
+def _speculate(artifact, propose=None, seqs=PROMPTS):
+    """Prefill every prompt (chunked), then speculative rounds until NEW_TOKENS each; tokens per sequence."""
+    s = Session(artifact)
+    out = {}
+    for seq_id in seqs:
+        s.add(seq_id)
+    pending = dict(seqs)
+    while any(pending.values()):
+        feeds, room = {}, s.max_step_tokens
+        for seq_id, toks in pending.items():
+            if toks and room:
+                feeds[seq_id], pending[seq_id] = toks[:room], toks[room:]
+                room -= len(feeds[seq_id])
+        logits = s.step(feeds)
+        out |= {seq_id: [int(logits[seq_id].argmax())] for seq_id in feeds if not pending[seq_id]}
+    while live := [seq_id for seq_id in seqs if len(out[seq_id]) <= NEW_TOKENS]:
+        rounds = s.speculate({seq_id: out[seq_id][-1] for seq_id in live},
+                             propose=(lambda seq_id, p: propose(seq_id, len(out[seq_id]), p)) if propose else None)
+        for seq_id, r in rounds.items():
+            out[seq_id] += r.tokens
+    return s, {seq_id: tokens[: NEW_TOKENS + 1] for seq_id, tokens in out.items()}
+
+
+def test_the_drafts_own_proposals_give_greedy(batched, greedy):
+    s, out = _speculate(batched)
+    assert out == greedy
+    assert all(n >= 1 for n in s.acceptance["a"])
+
+
+def _oracle(greedy, corrupt_at=None):
+    def propose(seq_id, have, proposals):  # the target's own continuation after the have tokens so far
+        want = (greedy[seq_id] + [0] * 16)[have: have + len(proposals)]
+        if corrupt_at is not None and corrupt_at < len(want):
+            want[corrupt_at] = (want[corrupt_at] + 1) % 512
+        return want
+    return propose
+
+
+@pytest.mark.parametrize("build", [DRAFT_BATCHED, DRAFT_CELL], ids=["batched-sequence", "cell"])
+def test_oracle_proposals_are_all_accepted(build, build_dir, greedy):
+    artifact = build_dir(*build)
+    s, out = _speculate(artifact, _oracle(greedy))
+    assert out == greedy
+    # every round but the last takes the whole block: 7 proposals and the bonus token
+    assert all(n == 8 for n in s.acceptance["a"][:-1]) and len(s.acceptance["a"]) == 4
+
+
+@pytest.mark.parametrize("build", [DRAFT_BATCHED, DRAFT_CELL], ids=["batched-sequence", "cell"])
+def test_a_wrong_proposal_cuts_the_round(build, build_dir, greedy):
+    """Proposal 3 wrong: every round keeps proposals 0..2 and the target's token (4 tokens), and the
+    output is still greedy (the rejected rows are never read again)."""
+    s, out = _speculate(build_dir(*build), _oracle(greedy, corrupt_at=3))
+    assert out == greedy
+    assert all(n == 4 for n in s.acceptance["c"][:-1])
+    if build is DRAFT_CELL:  # the rejected rows' cells were never taken; released sequences free the rest
+        for seq_id in PROMPTS:
+            s.release(seq_id)
+        assert len(s.pool.free_cells) == 512 and len(s.draft_pool.free_cells) == 512
+
+
+def test_speculation_errors(batched):
+    s = Session(batched)
+    s.add("a")
+    with pytest.raises(SessionError, match="is empty: prefill its prompt"):
+        s.speculate({"a": 3})
+    s.step({"a": [1, 2, 3]})
+    with pytest.raises(SessionError, match="outside the vocabulary"):
+        s.speculate({"a": 512})
+    with pytest.raises(SessionError, match="outside the vocabulary"):
+        s.speculate({"a": 3}, propose=lambda seq_id, p: [600] * len(p))
+    for _ in range(7):
+        s.step({"a": [5] * 16})
+    s.step({"a": [5] * 13})
+    assert s.seqs["a"].length == 128
+    with pytest.raises(SessionError, match="flat layers' capacity of 128"):
+        s.speculate({"a": 3})
+
+
+def test_no_draft_no_speculation(build_dir):
+    from conftest import BATCHED
+
+    with pytest.raises(SessionError, match="has no draft: build with draft=dflash"):
+        Session(build_dir(*BATCHED)).speculate({"a": 1})
+
+
+def test_validate_fails_on_a_wrong_draft(batched, tmp_path):
+    """The program's draft was compiled from the true weights; an eager draft that disagrees fails it."""
+    from pipeline.stages import validate
+
+    cfg = compose_config(*DRAFT_BATCHED)
+    target, _ = build_target(cfg.model, None)
+    draft = build_draft_model(cfg.draft, target.args)
+    with torch.no_grad():
+        draft.fc.weight.add_(1e-2 * torch.randn_like(draft.fc.weight))
+    for name in ("model.pte", "manifest.json"):
+        (tmp_path / name).write_bytes((batched / name).read_bytes())
+    with pytest.raises(validate.ValidationFailed, match="the draft's max relative logit error"):
+        validate.run(cfg.validate, cfg.model, cfg.draft, cfg.kv, cfg.backend, {"model": target, "draft": draft}, tmp_path)
