@@ -87,6 +87,11 @@ BAD_INPUT = [
     (["draft=dflash", "draft.block_size=32"], ["draft.block_size=32", "kv.max_step_tokens=16"]),
     (["draft=dflash", "draft.mask_token_id=600"], ["draft.mask_token_id=600", "model.vocab_size=512"]),
     (["draft=dflash", "draft.checkpoint=/nonexistent"], ["draft.checkpoint=/nonexistent", "no config.json"]),
+    (["vision=smolvlm_tiny", "vision.out_dim=48"], ["vision.out_dim=48", "model.dim=64"]),
+    (["vision=smolvlm_tiny", "vision.image_token_id=512"], ["vision.image_token_id=512", "model.vocab_size=512"]),
+    (["vision=smolvlm_tiny", "vision.image_size=36"], ["vision.image_size=36", "multiple of", "16"]),
+    (["vision=smolvlm_tiny", "vision.image_size=256"], ["an image is 256 tokens", "kv.capacity=128"]),
+    (["vision=smolvlm_tiny", "stages=[export,lower_kv]"], ["needs the export_vision stage"]),
     # what gets past the checks to Hydra, shortened to one line
     (["kv.max_seqs=1,2"], ["kv.max_seqs=1,2", "add --multirun"]),
     (["hydra.job.chdir=maybe"], ["hydra.job.chdir=maybe", "not a valid bool"]),

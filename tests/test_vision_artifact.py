@@ -1,0 +1,137 @@
+"""An artifact with a vision encoder: a prompt with an image through the .pte equals transformers'
+SmolVLM on the same pixels, the full draft + vision artifact holds every method, and images the
+artifact cannot take are refused."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import compose_config
+from pipeline.runtime.session import Session, SessionError
+from pipeline.stages.export import build_target
+from pipeline.stages.export_vision import build_vision_model
+
+VISION_FLAT = ("model=tiny_flat", "vision=smolvlm_tiny", "kv.max_seqs=2", "backend=portable", "experiment_name=vision2")
+FULL = ("draft=dflash", "vision=smolvlm_tiny", "kv=sequence", "kv.max_seqs=4", "experiment_name=full4")
+
+
+@pytest.fixture(scope="module")
+def flat(build_dir):
+    return build_dir(*VISION_FLAT)
+
+
+def smolvlm_with_our_weights(cfg):
+    """transformers' SmolVLM (Llama text model) holding our target's and encoder's weights."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    from pipeline.models.loaders.hf import our_name
+
+    target, _ = build_target(cfg.model, None)
+    vision = build_vision_model(cfg.vision, cfg.model)
+    m, v = cfg.model, cfg.vision
+    config = SmolVLMConfig(
+        vision_config=dict(hidden_size=v.dim, intermediate_size=v.hidden_dim, num_hidden_layers=v.n_layers,
+                           num_attention_heads=v.n_heads, image_size=v.image_size, patch_size=v.patch_size,
+                           layer_norm_eps=v.norm_eps),
+        text_config=dict(model_type="llama", hidden_size=m.dim, intermediate_size=m.hidden_dim, num_hidden_layers=m.n_layers,
+                         num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, vocab_size=m.vocab_size,
+                         rms_norm_eps=m.norm_eps, rope_theta=m.rope_base, tie_word_embeddings=False, max_position_embeddings=256),
+        scale_factor=v.scale_factor, image_token_id=v.image_token_id, tie_word_embeddings=False)
+    ref = SmolVLMForConditionalGeneration(config).eval()
+    ours_target, ours_vision = target.state_dict(), vision.state_dict()
+    vision_names = {"embeddings.patch_embedding": "patch_embedding", "embeddings.position_embedding": "position_embedding",
+                    "post_layernorm": "post_layernorm", "encoder.layers.": "layers.", "mlp.": "", "self_attn.": "attention."}
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.startswith("model.text_model.") or name == "lm_head.weight":
+                p.copy_(ours_target[our_name(name.replace("model.text_model.", "model."))])
+            elif name.startswith("model.vision_model."):
+                ours = name.removeprefix("model.vision_model.")
+                for theirs, mine in vision_names.items():
+                    ours = ours.replace(theirs, mine)
+                p.copy_(ours_vision[ours])
+            else:
+                assert name == "model.connector.modality_projection.proj.weight", name
+                p.copy_(ours_vision["projection.weight"])
+    return ref
+
+
+def test_a_prompt_with_an_image_equals_smolvlm(flat):
+    cfg = compose_config(*VISION_FLAT)
+    ref = smolvlm_with_our_weights(cfg)
+    image = np.random.default_rng(4).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    prompt = [5, 2, 2, 2, 2, 17, 300, 42, 9]  # 2: the image placeholder, once per image token (4)
+    s = Session(flat)
+    s.add("a")
+    features = s.add_image("a", image)
+    pixels = s.image_processor(images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        want_features = ref.model.get_image_features(pixels["pixel_values"], pixels["pixel_attention_mask"])
+        want_features = getattr(want_features, "pooler_output", want_features)
+    assert float((features - want_features.reshape(features.shape)).abs().max()) < 1e-5
+    got = [s.step({"a": prompt})["a"]]
+    ids = list(prompt)
+    for _ in range(4):  # greedy, the image staying in the prompt
+        ids.append(int(got[-1].argmax()))
+        got.append(s.step({"a": [ids[-1]]})["a"])
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([ids]), pixel_values=pixels["pixel_values"],
+                   pixel_attention_mask=pixels["pixel_attention_mask"]).logits[0, len(prompt) - 1:]
+    got = torch.stack(got)
+    assert float((got - want).abs().max() / (want.max() - want.min())) < 1e-5
+    # the comparison sees the image: without it (placeholders as text) the logits differ
+    s.release("a")
+    s.add("b")
+    text_only = s.step({"b": prompt})["b"]
+    assert float((text_only - want[0]).abs().max() / (want.max() - want.min())) > 1e-3
+
+
+def test_validation_ran_image_sequences(flat):
+    report = json.loads((flat / "validation.json").read_text())
+    assert report["passed"] and report["images"]["sequences"] == ["seq1"]
+    assert report["images"]["vision_max_relative_error"] < 1e-5
+
+
+def test_full_artifact_holds_every_method(build_dir):
+    """draft=dflash vision=smolvlm_tiny kv=sequence kv.max_seqs=4, XNNPACK: one model.pte."""
+    version = build_dir(*FULL)
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert set(manifest["methods"]) == {"embed_text", "target_forward_from_embeddings", "draft_forward", "vision_encoder"}
+    assert (manifest["target"]["layout"], manifest["target"]["causal"], manifest["target"]["max_seqs"]) == ("batched-sequence", True, 4)
+    assert (manifest["draft"]["layout"], manifest["draft"]["causal"], manifest["draft"]["max_seqs"]) == ("batched-sequence", False, 4)
+    assert manifest["vision"]["n_image_tokens"] == 4 and manifest["vision"]["out_dim"] == 64
+    s = Session(version)  # every constant method checked against the manifest
+    assert s.constant("has_vision_encoder") == 1 and s.constant("get_max_image_tokens") == 4
+    assert s.constant("get_image_size") == 32 and s.constant("get_vision_hidden_size") == 64
+    report = json.loads((version / "validation.json").read_text())
+    assert report["passed"] and report["speculative"]["equals_greedy"] and report["images"]["sequences"] == ["seq1", "seq3"]
+
+
+def test_images_the_artifact_cannot_take(flat, build_dir):
+    s = Session(flat)
+    s.add("a")
+    with pytest.raises(SessionError, match="the image is 64x48 pixels, larger than the artifact's exported image size 32x32"):
+        s.add_image("a", np.zeros((48, 64, 3), dtype=np.uint8))
+    for _ in range(7):
+        s.step({"a": [5] * 16})
+    s.step({"a": [5] * 14})
+    with pytest.raises(SessionError, match="the image's 4 tokens would take it to 130 tokens, past the context of 128"):
+        s.add_image("a", np.zeros((32, 32, 3), dtype=np.uint8))
+    from conftest import BATCHED
+
+    with pytest.raises(SessionError, match="has no vision encoder"):
+        Session(build_dir(*BATCHED)).add_image("x", np.zeros((32, 32, 3), dtype=np.uint8))
+
+
+def test_a_failed_step_keeps_the_image(flat):
+    """Transactional: a refused step does not consume the image's features."""
+    s = Session(flat)
+    s.add("a")
+    s.add_image("a", np.zeros((32, 32, 3), dtype=np.uint8))
+    with pytest.raises(SessionError):
+        s.step({"a": [2] * 4, "nope": [1]})
+    assert len(s.images["a"]) == 4
+    s.step({"a": [2] * 4})
+    assert "a" not in s.images
