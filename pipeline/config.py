@@ -57,7 +57,7 @@ class VisionConfig:
     """A vision encoder (``models/vision.py``) for one fixed square image size; ``name: none``: none."""
 
     name: str = "none"
-    family: str = "smolvlm"  # smolvlm: a SigLIP-style tower with SmolVLM's connector
+    family: str = "smolvlm"  # smolvlm (a SigLIP-style tower, SmolVLM's connector) | muse_glimmer
     image_size: int = 32  # the exported image size (pixels per side); larger images are refused
     patch_size: int = 8
     num_channels: int = 3
@@ -70,6 +70,12 @@ class VisionConfig:
     out_dim: int | None = None  # the image tokens' width; null: the target's (any other value is refused)
     image_token_id: int = 2  # the placeholder token a prompt carries once per image token
     seed: int = 2
+    # muse_glimmer only (dim: its latent width, hidden_dim: its MLP, scale_factor: its downsample)
+    patch_temporal: int = 2
+    sparse_attention_factor: int = 4  # every 4th layer (and the last) global, the others per tile
+    adapter_dim: int = 48
+    pos_grid: int = 8
+    rope_theta: float = 10000.0
 
 
 @dataclass

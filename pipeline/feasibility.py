@@ -100,8 +100,8 @@ def check_vision(vision_cfg, target: ModelArgs, layout: KVLayout):
     the target, an image's tokens within one sequence's context. Returns its VisionArgs."""
     from pipeline.models.args import vision_args
 
-    if vision_cfg.family != "smolvlm":
-        raise ConfigError(f"vision.family={vision_cfg.family} is not a vision family the artifact builds; choose smolvlm")
+    if vision_cfg.family not in ("smolvlm", "muse_glimmer"):
+        raise ConfigError(f"vision.family={vision_cfg.family} is not a vision family; choose smolvlm or muse_glimmer")
     if vision_cfg.out_dim is not None and vision_cfg.out_dim != target.dim:
         raise ConfigError(f"vision.out_dim={vision_cfg.out_dim} differs from the target's width model.dim={target.dim}: "
                           "image tokens replace token embeddings; set vision.out_dim to null or to the target's width")
@@ -114,6 +114,9 @@ def check_vision(vision_cfg, target: ModelArgs, layout: KVLayout):
                           f"vision.scale_factor = {step}")
     if vision_cfg.dim % vision_cfg.n_heads:
         raise ConfigError(f"vision.dim={vision_cfg.dim} is not a multiple of vision.n_heads={vision_cfg.n_heads}")
+    if vision_cfg.family == "muse_glimmer" and (vision_cfg.dim // vision_cfg.n_heads) % 4:
+        raise ConfigError(f"vision.dim / vision.n_heads = {vision_cfg.dim // vision_cfg.n_heads} must be a multiple of 4: "
+                          "Muse Glimmer's 2D RoPE rotates a quarter of each head per axis")
     if not 0 <= vision_cfg.image_token_id < target.vocab_size:
         raise ConfigError(f"vision.image_token_id={vision_cfg.image_token_id} is not a token of the target's vocabulary "
                           f"(model.vocab_size={target.vocab_size})")

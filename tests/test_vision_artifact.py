@@ -15,6 +15,8 @@ from pipeline.stages.export_vision import build_vision_model
 
 VISION_FLAT = ("model=tiny_flat", "vision=smolvlm_tiny", "kv.max_seqs=2", "backend=portable", "experiment_name=vision2")
 FULL = ("draft=dflash", "vision=smolvlm_tiny", "kv=sequence", "kv.max_seqs=4", "experiment_name=full4")
+GLIMMER = ("model=muse_glimmer_tiny", "draft=dflash_muse_glimmer_tiny", "vision=muse_glimmer_tiny", "kv=sequence",
+           "kv.max_seqs=4", "backend=portable", "experiment_name=glimmer_full4")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +109,21 @@ def test_full_artifact_holds_every_method(build_dir):
     assert s.constant("get_image_size") == 32 and s.constant("get_vision_hidden_size") == 64
     report = json.loads((version / "validation.json").read_text())
     assert report["passed"] and report["speculative"]["equals_greedy"] and report["images"]["sequences"] == ["seq1", "seq3"]
+
+
+def test_muse_glimmer_artifact_holds_every_method(build_dir):
+    """The same artifact for the Muse Glimmer family: its target, its draft (blocks of 16) and its tower."""
+    version = build_dir(*GLIMMER)
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert set(manifest["methods"]) == {"embed_text", "target_forward_from_embeddings", "draft_forward", "vision_encoder"}
+    assert (manifest["target"]["causal"], manifest["draft"]["causal"], manifest["draft"]["block_size"]) == (True, False, 16)
+    assert manifest["target"]["layout"] == manifest["draft"]["layout"] == "batched-sequence"
+    assert manifest["vision"]["family"] == "muse_glimmer" and manifest["vision"]["n_image_tokens"] == 4
+    s = Session(version)
+    assert s.constant("get_block_size") == 16 and s.constant("get_draft_offgraph_kv_max_seqs") == 4
+    report = json.loads((version / "validation.json").read_text())
+    assert report["passed"] and report["speculative"]["equals_greedy"] and report["speculative"]["proposal_mismatches"] == 0
+    assert report["images"]["vision_max_relative_error"] < 1e-5
 
 
 def test_images_the_artifact_cannot_take(flat, build_dir):

@@ -63,7 +63,7 @@ class Cuda(Backend):
         runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
                    f"rebuilt from the config in a child process (same fingerprint), {GPU_RUNTIMES[validate_cfg.runtime]}, "
                    f"on {gpu} (ExecuTorch's Python runtime has no CUDA backend)")
-        with MethodServer(graphs_recipe(sections), self.programs(inputs["lowered"]),
+        with MethodServer(graphs_recipe(sections), self.programs(inputs["lowered"] | inputs.get("vision_exported", {})),
                           device="cuda", runtime=validate_cfg.runtime) as server:
             yield Session(workdir, methods=server.runners), runtime
 

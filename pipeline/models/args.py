@@ -138,10 +138,19 @@ class VisionArgs:
         return self.n_patches // self.scale_factor**2
 
 
-def vision_args(vision_cfg, target: ModelArgs) -> VisionArgs:
-    """The ``vision`` config section as the encoder's settings, its output at the target's width."""
+def vision_args(vision_cfg, target: ModelArgs):
+    """The ``vision`` config section as its family's encoder settings, the output at the target's width:
+    ``VisionArgs`` (smolvlm) or ``GlimmerVisionArgs`` (muse_glimmer, in the config's common names)."""
+    out_dim = vision_cfg.out_dim or target.dim
+    if vision_cfg.family == "muse_glimmer":
+        v = vision_cfg
+        return GlimmerVisionArgs(
+            patch_size=v.patch_size, patch_temporal=v.patch_temporal, downsample_factor=v.scale_factor,
+            sparse_attention_factor=v.sparse_attention_factor, latent_dim=v.dim, n_heads=v.n_heads, n_layers=v.n_layers,
+            mlp_hidden=v.hidden_dim, adapter_dim=v.adapter_dim, hidden_size=out_dim, rms_norm_eps=v.norm_eps,
+            image_size=v.image_size, pos_grid=v.pos_grid, rope_theta=v.rope_theta)
     fields = {k: vision_cfg[k] for k in VisionArgs.__dataclass_fields__ if k in vision_cfg and k != "out_dim"}
-    return VisionArgs(**fields, out_dim=vision_cfg.out_dim or target.dim)
+    return VisionArgs(**fields, out_dim=out_dim)
 
 
 @dataclass
@@ -160,6 +169,18 @@ class GlimmerVisionArgs:
     adapter_dim: int = 48
     hidden_size: int = 40  # the target's width
     rms_norm_eps: float = 1e-5
+    # the artifact's method: one fixed image size, the learned position table it interpolates
+    image_size: int = 56  # a multiple of patch_size * downsample_factor
+    pos_grid: int = 8  # the position table is pos_grid x pos_grid
+    rope_theta: float = 10000.0
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def n_image_tokens(self) -> int:
+        return self.n_patches // self.downsample_factor**2
 
     @property
     def patch_dim(self) -> int:

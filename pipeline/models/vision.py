@@ -86,7 +86,15 @@ class VisionEncoder(nn.Module):
         return self.projection(pixel_shuffle(self.post_layernorm(x), a.scale_factor))
 
 
-def build_vision(args: VisionArgs, seed: int) -> VisionEncoder:
+    def example_input(self) -> Tensor:
+        a = self.args
+        return torch.zeros(1, a.num_channels, a.image_size, a.image_size)
+
+
+def build_vision(args, seed: int) -> nn.Module:
+    """The artifact's encoder for ``args``' family: SmolVLM-style, or Muse Glimmer's for one image size."""
+    if isinstance(args, GlimmerVisionArgs):
+        return seeded(lambda: GlimmerImageEncoder(args), seed)
     return seeded(lambda: VisionEncoder(args), seed)
 
 
@@ -148,3 +156,45 @@ class GlimmerVisionEncoder(nn.Module):
         x = x[0].index_select(0, pixel_perm).view(-1, f * f, d).transpose(1, 2).reshape(1, -1, d * f * f)
         x = self.vision_proj(F.gelu(self.adapter_proj(F.gelu(self.adapter_fc(x)))))
         return F.rms_norm(x, (a.hidden_size,), None, a.rms_norm_eps)
+
+
+def glimmer_config(a: GlimmerVisionArgs):
+    """ExecuTorch's ``MuseGlimmerVisionConfig`` for these settings (its host precompute reads it)."""
+    from executorch.examples.models.muse_glimmer.vision.precompute import MuseGlimmerVisionConfig
+
+    return MuseGlimmerVisionConfig(
+        patch_size=a.patch_size, patch_temporal=a.patch_temporal, downsample_factor=a.downsample_factor,
+        sparse_attention_factor=a.sparse_attention_factor, pos_emb_grid_h=a.pos_grid, pos_emb_grid_w=a.pos_grid,
+        latent_dim=a.latent_dim, n_heads=a.n_heads, n_layers=a.n_layers, rope_theta=a.rope_theta, mlp_hidden=a.mlp_hidden,
+        adapter_dim=a.adapter_dim, encoder_output_dim=a.latent_dim * a.downsample_factor**2, hidden_size=a.hidden_size,
+        rms_norm_eps=a.rms_norm_eps)
+
+
+class GlimmerImageEncoder(nn.Module):
+    """Muse Glimmer's tower as the artifact's ``vision_encoder`` for one image size: the host inputs
+    that depend only on the size (interpolated positions, 2D RoPE, the tile permutation, the masks,
+    the pixel-shuffle gather) are computed once with ExecuTorch's precompute and kept as buffers; the
+    method takes the image's patches [1, P, patch_dim] (``precompute.patchify_image``)."""
+
+    def __init__(self, a: GlimmerVisionArgs):
+        super().__init__()
+        from executorch.examples.models.muse_glimmer.vision.precompute import precompute_vision_inputs
+
+        step = a.patch_size * a.downsample_factor
+        if a.image_size % step:
+            raise ValueError(f"vision.image_size={a.image_size} must be a multiple of patch_size x downsample = {step}")
+        self.args = a
+        self.encoder = GlimmerVisionEncoder(a)
+        self.pos_embed_table = nn.Parameter(torch.randn(a.pos_grid**2, a.latent_dim))
+        with torch.no_grad():
+            inputs = precompute_vision_inputs(torch.zeros(3, a.image_size, a.image_size), self.pos_embed_table.data,
+                                              glimmer_config(a))
+        for name in ("pos_emb", "cos_2d", "sin_2d", "sparse_perm", "inv_perm", "global_mask", "sparse_mask", "pixel_perm"):
+            self.register_buffer(name, getattr(inputs, name).clone(), persistent=False)
+
+    def forward(self, patches: Tensor) -> Tensor:
+        return self.encoder(patches, self.pos_emb, self.cos_2d, self.sin_2d, self.sparse_perm, self.inv_perm,
+                            self.global_mask, self.sparse_mask, self.pixel_perm)
+
+    def example_input(self) -> Tensor:
+        return torch.zeros(1, self.args.n_patches, self.args.patch_dim)

@@ -1,5 +1,6 @@
 """Images for an artifact's vision encoder: SmolVLM's image processor (transformers', its PIL
-backend: no torchvision), set to the exported image size, and the refusal of images it would shrink."""
+backend: no torchvision), set to the exported image size (resize, scale to [-1, 1]: what both vision
+families take), the refusal of images it would shrink, and each family's encoder input."""
 
 import numpy as np
 import torch
@@ -33,3 +34,14 @@ def pixels(processor, image, image_size: int, seq_id=None) -> torch.Tensor:
                            f"{image_size}x{image_size}; resize it first or build with a larger vision.image_size")
     out = processor(images=[[image]], return_tensors="pt")
     return out["pixel_values"][0].float()
+
+
+def encoder_input(section: dict, px: torch.Tensor) -> torch.Tensor:
+    """What the artifact's ``vision_encoder`` takes for the processed pixels ``px`` [1, 3, N, N]: the
+    pixels (smolvlm), or Muse Glimmer's patches [1, P, patch_dim] (ExecuTorch's host ``patchify_image``)."""
+    if section["family"] != "muse_glimmer":
+        return px
+    from executorch.examples.models.muse_glimmer.vision.precompute import MuseGlimmerVisionConfig, patchify_image
+
+    config = MuseGlimmerVisionConfig(patch_size=section["patch_size"], patch_temporal=section["patch_temporal"])
+    return patchify_image(px[0], config)[0]

@@ -136,7 +136,7 @@ class Session:
         placeholder tokens (``image_token_id``) that ``step`` feeds. Returns the features."""
         if not self.vision:
             raise SessionError(f"{self.artifact_dir} has no vision encoder: build with vision=smolvlm_tiny (or another)")
-        from pipeline.runtime.images import pixels
+        from pipeline.runtime.images import encoder_input, pixels
 
         seq = self._get(seq_id)
         queued = self.images.get(seq_id, torch.zeros(0, self.vision["out_dim"]))
@@ -147,7 +147,7 @@ class Session:
                                f"context of {self.max_length}; release it or build with a larger kv.capacity")
         px = pixels(self.image_processor, image, self.vision["image_size"], seq_id)
         try:
-            features = self.method(VISION).execute([px.to(getattr(torch, self.vision["dtype"]))])[0][0]
+            features = self.method(VISION).execute([encoder_input(self.vision, px).to(getattr(torch, self.vision["dtype"]))])[0][0]
         except Exception as err:
             raise SessionError(f"the program failed encoding the image of sequence {seq_id!r} ({err})") from err
         self.images[seq_id] = torch.cat([queued, features.float()])

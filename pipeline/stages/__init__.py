@@ -31,8 +31,8 @@ STAGES = {
         Stage("lower_kv", ("model", "kv", "backend"), ("model", "draft", "exported"), ("layouts", "lowered", "kv_sections")),
         Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer"), ("program", "manifest"),
               optional=("vision_exported", "vision_section")),
-        Stage("validate", ("validate", "model", "draft", "kv", "backend"), ("model", "draft", "lowered", "program"),
-              ("validation",), optional=("vision",)),
+        Stage("validate", ("validate", "vision", "model", "draft", "kv", "backend"), ("model", "draft", "lowered", "program"),
+              ("validation",), optional=("vision", "vision_exported")),
     )
 }
 

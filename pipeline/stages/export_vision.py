@@ -4,8 +4,9 @@ exported image size (``vision.image_size``); nothing without a vision encoder (`
 gives: vision (the eager encoder, or None), vision_exported ({"vision_encoder": ExportedProgram}),
        vision_section (the manifest's ``vision`` section), image_processor/ (its settings, transformers' format)
 
-The method takes the image processor's pixels [1, 3, image_size, image_size] and returns the image
-tokens [1, n_image_tokens, target width]; the session splices them over a prompt's placeholders.
+The method takes the image processor's pixels [1, 3, image_size, image_size] (smolvlm) or their
+patches [1, P, patch_dim] (muse_glimmer: ExecuTorch's ``patchify_image`` on the host) and returns the
+image tokens [1, n_image_tokens, target width]; the session splices them over a prompt's placeholders.
 """
 
 import torch
@@ -29,14 +30,15 @@ def run(vision_cfg: VisionConfig, model_cfg: ModelConfig, inputs: dict, workdir)
     if vision is None:
         return {"vision": None, "vision_exported": {}, "vision_section": None}
     a = vision.args
-    pixels = torch.zeros(1, a.num_channels, a.image_size, a.image_size, dtype=next(vision.parameters()).dtype)
-    print(f"  export {VISION} ({a.image_size}x{a.image_size} -> {a.n_image_tokens} image tokens)", flush=True)
+    example = vision.example_input().to(next(vision.parameters()).dtype)
+    print(f"  export {VISION} ({vision_cfg.family}, {a.image_size}x{a.image_size} -> {a.n_image_tokens} image tokens)",
+          flush=True)
     with torch.no_grad():
-        ep = torch.export.export(vision, (pixels,), strict=False)
-    section = {"family": vision_cfg.family, "image_size": a.image_size, "num_channels": a.num_channels,
-               "n_image_tokens": a.n_image_tokens, "image_token_id": vision_cfg.image_token_id, "out_dim": a.out_dim,
-               "dtype": model_cfg.dtype,
-               "image_processor": None}
+        ep = torch.export.export(vision, (example,), strict=False)
+    section = {"family": vision_cfg.family, "image_size": a.image_size, "num_channels": vision_cfg.num_channels,
+               "n_image_tokens": a.n_image_tokens, "image_token_id": vision_cfg.image_token_id,
+               "out_dim": vision_cfg.out_dim or model_args(model_cfg).dim, "dtype": model_cfg.dtype,
+               "patch_size": vision_cfg.patch_size, "patch_temporal": vision_cfg.patch_temporal, "image_processor": None}
     if workdir is not None:
         from pipeline.runtime.images import image_processor
 

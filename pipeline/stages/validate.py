@@ -91,11 +91,12 @@ def add_images(scripts: list[_Script], vision: dict, seed: int) -> None:
 
 def _encode_image(session: Session, model, vision_model, s: _Script, metric: str) -> None:
     """The image through the .pte's vision_encoder (the session keeps its features) and the eager one."""
-    from pipeline.runtime.images import pixels
+    from pipeline.runtime.images import encoder_input, pixels
 
     got = session.add_image(s.seq_id, s.image)
+    px = pixels(session.image_processor, s.image, session.vision["image_size"])
     with torch.no_grad():
-        want = vision_model(pixels(session.image_processor, s.image, session.vision["image_size"]).float())[0]
+        want = vision_model(encoder_input(session.vision, px).float())[0]
     s.image_features = want
     s.vision_error = relative_error(got, want, metric)
     placeholder = session.vision["image_token_id"]
@@ -222,7 +223,7 @@ def _finish(session: Session, live: list[_Script]) -> None:
             live.remove(s)
 
 
-SECTIONS = ("model", "draft", "kv", "backend")  # what export and lower_kv read
+SECTIONS = ("vision", "model", "draft", "kv", "backend")  # what export_vision, export and lower_kv read
 
 
 def backend_graphs(sections: dict) -> dict:
@@ -231,13 +232,14 @@ def backend_graphs(sections: dict) -> dict:
     from omegaconf import OmegaConf
 
     from pipeline.backends import backend
-    from pipeline.stages import export, lower_kv
+    from pipeline.stages import export, export_vision, lower_kv
 
-    model_cfg, draft_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
+    vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
     # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
+    vision = export_vision.run(vision_cfg, model_cfg, {}, None)
     exported = export.run(model_cfg, draft_cfg, kv_cfg, {}, None)
     lowered = lower_kv.run(model_cfg, kv_cfg, backend_cfg, exported, None)
-    return backend(backend_cfg.name).programs(lowered["lowered"])
+    return backend(backend_cfg.name).programs(lowered["lowered"] | vision["vision_exported"])
 
 
 def graphs_recipe(sections: dict):
@@ -259,13 +261,13 @@ def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) 
                                    f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
 
 
-def run(validate_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
+def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
     model, draft, vision = inputs["model"], inputs["draft"], inputs.get("vision")
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
         vision = copy.deepcopy(vision).float() if vision is not None else None
-    sections = {"model": model_cfg, "draft": draft_cfg, "kv": kv_cfg, "backend": backend_cfg}
+    sections = {"vision": vision_cfg, "model": model_cfg, "draft": draft_cfg, "kv": kv_cfg, "backend": backend_cfg}
     with backend(backend_cfg.name).session(validate_cfg, sections, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
