@@ -346,7 +346,7 @@ def _input_hashes(artifacts: dict) -> dict:
     from pipeline.runtime.aoti import tensor_bytes
 
     hashes = {}
-    for name, key in (("target", "model"), ("draft", "draft")):
+    for name, key in (("target", "model"), ("draft", "draft"), ("vision", "vision")):
         if artifacts.get(key) is None:
             continue
         digest = hashlib.sha256()

@@ -38,6 +38,8 @@ def build_dir(tmp_path_factory):
 # Layouts the layout tests build; portable compiles fastest (no delegate partitioning).
 BATCHED = ("kv=sequence", "kv.max_seqs=4", "backend=portable", "experiment_name=batched4")
 CELL = ("kv=cell", "kv.max_seqs=3", "backend=portable", "experiment_name=cell3")
+# The artifact of issue 12's first command: target, DFlash draft and vision encoder, four sequences, XNNPACK.
+DRAFT_VISION = ("draft=dflash", "vision=smolvlm_tiny", "kv=sequence", "kv.max_seqs=4", "experiment_name=full4")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from conftest import compose_config
+from conftest import DRAFT_VISION, compose_config
 from pipeline.runtime.session import Session, SessionError
 from pipeline.runtime.speculative import greedy_generate
 from pipeline.stages.export import build_draft_model, build_target
 
-DRAFT_BATCHED = ("draft=dflash", "kv=sequence", "kv.max_seqs=4", "backend=portable", "experiment_name=draft4")
+DRAFT_BATCHED = DRAFT_VISION  # the draft tests feed no images: the vision encoder does not take part
 DRAFT_CELL = ("draft=dflash", "kv=cell", "kv.max_seqs=4", "backend=portable", "experiment_name=draftcell4")
 PROMPTS = {"a": [5, 17, 300, 42, 9, 77, 1, 250, 11], "b": [400, 3], "c": list(range(60, 90)), "d": [128]}
 NEW_TOKENS = 30
@@ -38,9 +38,9 @@ def test_manifest_has_a_section_per_model(batched):
     assert (draft["layout"], draft["max_seqs"], draft["causal"]) == ("batched-sequence", 4, False)
     assert (draft["block_size"], draft["target_layer_ids"], draft["mask_token_id"]) == (8, [1, 3], 1)
     assert len(draft["layers"]) == 1 and target["step_width"] == 4 * 8
-    assert set(manifest["methods"]) == {"embed_text", "target_forward_from_embeddings", "draft_forward"}
+    assert set(manifest["methods"]) == {"embed_text", "target_forward_from_embeddings", "draft_forward", "vision_encoder"}
     record = json.loads((batched / "build.json").read_text())
-    assert set(record["models"]) == {"target", "draft"}
+    assert set(record["models"]) == {"target", "draft", "vision"}
     assert record["models"]["draft"]["causal"] is False
     assert record["kv_bytes_total"] == target["kv_bytes_total"] + draft["kv_bytes_total"]
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import compose_config
+from conftest import DRAFT_VISION, compose_config
 from pipeline.runtime.session import Session, SessionError
 from pipeline.stages.export import build_target
 from pipeline.stages.export_vision import build_vision_model
 
 VISION_FLAT = ("model=tiny_flat", "vision=smolvlm_tiny", "kv.max_seqs=2", "backend=portable", "experiment_name=vision2")
-FULL = ("draft=dflash", "vision=smolvlm_tiny", "kv=sequence", "kv.max_seqs=4", "experiment_name=full4")
+FULL = DRAFT_VISION
 GLIMMER = ("model=muse_glimmer_tiny", "draft=dflash_muse_glimmer_tiny", "vision=muse_glimmer_tiny", "kv=sequence",
            "kv.max_seqs=4", "backend=portable", "experiment_name=glimmer_full4")
 
