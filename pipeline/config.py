@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from pipeline.errors import ConfigError
-from pipeline.models.args import ModelArgs
+from pipeline.models.args import ModelArgs, VisionArgs
 
 # Closed sets of the schema's string settings, each defined once.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -53,20 +53,12 @@ class DraftConfig:
 
 
 @dataclass
-class VisionConfig:
-    """A vision encoder (``models/vision.py``) for one fixed square image size; ``name: none``: none."""
+class VisionConfig(VisionArgs):
+    """A vision encoder (``models/vision.py``) for one fixed square image size (``image_size``: larger
+    images are refused); ``name: none``: none. The encoder's settings are ``VisionArgs``'."""
 
     name: str = "none"
     family: str = "smolvlm"  # smolvlm (a SigLIP-style tower, SmolVLM's connector) | muse_glimmer
-    image_size: int = 32  # the exported image size (pixels per side); larger images are refused
-    patch_size: int = 8
-    num_channels: int = 3
-    dim: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    hidden_dim: int = 64
-    norm_eps: float = 1e-6
-    scale_factor: int = 2  # pixel shuffle: scale_factor**2 patches per image token
     out_dim: int | None = None  # the image tokens' width; null: the target's (any other value is refused)
     image_token_id: int = 2  # the placeholder token a prompt carries once per image token
     seed: int = 2

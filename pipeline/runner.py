@@ -315,7 +315,7 @@ def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cf
                                            kv_bytes_per_layer=kv["kv_bytes_per_layer"], kv_bytes_total=kv["kv_bytes_total"])
     record["models"] = models
     if "kv_sections" in artifacts:
-        record["kv_bytes_total"] = sum(m["kv_bytes_total"] for m in models.values())
+        record["kv_bytes_total"] = sum(m.get("kv_bytes_total", 0) for m in models.values())  # vision has no KV
     if "validation" in artifacts:
         record["validation_passed"] = artifacts["validation"]["passed"]
     (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -244,8 +244,9 @@ def test_artifact_from_a_checkpoint_matches_transformers(tmp_path):
 
 
 def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
-    """A checkpoint with SmolLM2's tokenizer (a tiny random Llama over its vocabulary): the artifact
-    carries the tokenizer, and four text prompts decoded together equal transformers' greedy text."""
+    """A checkpoint with SmolLM2's tokenizer (a tiny random Llama over its vocabulary) and a DFlash draft:
+    the artifact carries the tokenizer, and four text prompts decoded together, plainly and
+    speculatively, equal transformers' greedy text."""
     from pipeline.runner import build
     from pipeline.runtime.session import Session
 
@@ -255,15 +256,17 @@ def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
-    overrides = [f"+model.checkpoint={tmp_path / 'ckpt'}", "backend=portable", "kv.max_seqs=4",
-                 f"output_root={tmp_path / 'out'}"]
+    overrides = [f"+model.checkpoint={tmp_path / 'ckpt'}", "backend=portable", "kv.max_seqs=4", "draft=dflash",
+                 "draft.target_layer_ids=[1]", f"output_root={tmp_path / 'out'}"]
     version = build(compose_config(*overrides), overrides)
     assert json.loads((version / "manifest.json").read_text())["tokenizer"] == "tokenizer"
     report = json.loads((version / "validation.json").read_text())  # the episode ran on text prompts
     assert report["passed"] and report["text"]["seq0"]["prompt"] == "The capital of France is"
     assert report["text"]["seq1"]["prompt"] == "def fibonacci(n):" and len(report["text"]["seq1"]["continuation"]) > 0
     prompts = {f"p{i}": text for i, text in enumerate(PROMPTS + ["Hello"])}
-    got = Session(version).generate(prompts, max_new_tokens=12, stop_at_eos=False)
+    session = Session(version)
+    got = session.generate(prompts, max_new_tokens=12, stop_at_eos=False, speculative=False)
+    assert session.generate(prompts, max_new_tokens=12, stop_at_eos=False) == got  # speculative: the same text
     for seq_id, text in prompts.items():
         seq = tok(text, return_tensors="pt").input_ids
         n = seq.shape[1]

@@ -403,9 +403,15 @@ class Session:
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.artifact_dir / self.manifest["tokenizer"]))
         return self._tokenizer
 
-    def generate(self, prompts: dict[object, str], max_new_tokens: int = 32, stop_at_eos: bool = True) -> dict[object, str]:
+    def generate(self, prompts: dict[object, str], max_new_tokens: int = 32, stop_at_eos: bool = True,
+                 speculative: bool | None = None) -> dict[object, str]:
         """Greedy continuations of text prompts, all sequences at once: chunked prefill sharing steps,
-        then one decode step for every live sequence. The sequences are added and released here."""
+        then one decode step for every live sequence, or with ``speculative`` (default: when the
+        artifact has a draft) one speculative round for every live sequence; the text is the same.
+        The sequences are added and released here."""
+        speculative = bool(self.draft_kv) if speculative is None else speculative
+        if speculative and not self.draft_kv:
+            raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to generate speculatively")
         for seq_id, text in prompts.items():
             if not isinstance(text, str) or not text:
                 raise SessionError(f"sequence {seq_id!r}: a prompt must be a non-empty str, got {text!r}")
@@ -430,12 +436,18 @@ class Session:
                 logits = self.step(feeds)
                 last |= {seq_id: logits[seq_id] for seq_id in feeds if not pending[seq_id]}
             live = list(prompts)
+            new = {seq_id: [int(last[seq_id].argmax())] for seq_id in live}
             while live:
                 for seq_id in live:
-                    out[seq_id].append(int(last[seq_id].argmax()))
+                    for token in new[seq_id]:
+                        if len(out[seq_id]) < max_new_tokens and (not out[seq_id] or out[seq_id][-1] != eos):
+                            out[seq_id].append(token)
                 live = [s for s in live if len(out[s]) < max_new_tokens and out[s][-1] != eos]
-                if live:
-                    last = self.step({seq_id: [out[seq_id][-1]] for seq_id in live})
+                if live and speculative:
+                    new = {s: r.tokens for s, r in self.speculate({s: out[s][-1] for s in live}).items()}
+                elif live:
+                    logits = self.step({seq_id: [out[seq_id][-1]] for seq_id in live})
+                    new = {seq_id: [int(logits[seq_id].argmax())] for seq_id in live}
         finally:
             for seq_id in prompts:
                 self.release(seq_id)
