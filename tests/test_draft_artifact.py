@@ -131,6 +131,8 @@ def test_speculation_errors(batched):
         s.speculate({"a": 512})
     with pytest.raises(SessionError, match="outside the vocabulary"):
         s.speculate({"a": 3}, propose=lambda seq_id, p: [600] * len(p))
+    with pytest.raises(SessionError, match="propose returned 9 proposals for a block of 7"):
+        s.speculate({"a": 3}, propose=lambda seq_id, p: [4] * 9)
     for _ in range(7):
         s.step({"a": [5] * 16})
     s.step({"a": [5] * 13})

@@ -268,9 +268,9 @@ class Session:
         verifies every sequence's block in one step, and each sequence keeps the proposals the target's
         greedy choice agrees with plus the target's token after them. Returns each sequence's ``Round``:
         those tokens (at least one; the last is again not yet fed), the proposals and both models'
-        logits. ``propose(seq_id, proposals) -> proposals`` may replace the draft's (tests: an oracle or
-        a corrupted draft). Greedy: the tokens are the target's
-        greedy continuation, whatever the draft proposes."""
+        logits. ``propose(seq_id, proposals) -> proposals`` may replace the draft's, as many of them
+        (tests: an oracle or a corrupted draft). Greedy: the tokens are the target's greedy
+        continuation, whatever the draft proposes."""
         if not self.draft_kv:
             raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to speculate")
         if not isinstance(feeds, dict) or not feeds:
@@ -293,10 +293,12 @@ class Session:
         proposals, draft_logits = self._draft_proposals([(seq_id, token, room) for seq_id, _, token, room in order])
         if propose is not None:
             for seq_id, *_ in order:
-                proposals[seq_id] = [int(t) for t in propose(seq_id, list(proposals[seq_id]))]
-        blocks = [(seq_id, seq, [token, *proposals[seq_id]]) for seq_id, seq, token, _ in order]
-        for seq_id, _, block in blocks:
-            self._tokens(seq_id, block)
+                given = list(propose(seq_id, list(proposals[seq_id])))
+                if len(given) != len(proposals[seq_id]):
+                    raise SessionError(f"sequence {seq_id!r}: propose returned {len(given)} proposals for a block "
+                                       f"of {len(proposals[seq_id])}")
+                proposals[seq_id] = given
+        blocks = [(seq_id, seq, self._tokens(seq_id, [token, *proposals[seq_id]])) for seq_id, seq, token, _ in order]
         n_tokens = sum(len(block) for *_, block in blocks)
         cells = self.pool.choose(n_tokens)
         step_buffers = self._step_buffers([(seq, len(block)) for _, seq, block in blocks], cells)
