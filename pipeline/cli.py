@@ -119,8 +119,13 @@ def run_build(cfg: DictConfig) -> None:
         exp_dir = Path(cfg.output_root) / cfg.experiment_name
         if name := hydra_cfg.job.override_dirname.replace("/", "_"):
             exp_dir /= name
+    from pipeline.quiet import filtered_stderr
+
     try:
-        build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)
+        with filtered_stderr(enabled=not cfg.verbose) as noise:
+            build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)
+        if noise["hidden"]:
+            print(f"  ({noise['hidden']} lines of known library warnings hidden; verbose=true shows them)")
     except (ConfigError, BuildError) as err:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             fail(str(err))

@@ -108,6 +108,7 @@ class BuildConfig:
     stages: list[str] = field(default_factory=lambda: ["export_vision", "export", "lower_kv", "compile", "validate"])
     output_root: str = "outputs"
     force: bool = False  # build a new version even when an identical one exists
+    verbose: bool = False  # show the libraries' known noise (pipeline/quiet.py) on stderr
     # refuse a build whose estimated peak memory exceeds this many GB; null: this machine's memory
     memory_budget_gb: float | None = None
     model: ModelConfig = MISSING

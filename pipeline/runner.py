@@ -159,7 +159,7 @@ def _source_hash() -> str:
 def build_key(cfg: DictConfig) -> dict:
     """What decides the artifact: the resolved config (minus where it goes), sources, tools."""
     what = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("output_root", "force"):
+    for key in ("output_root", "force", "verbose"):
         what.pop(key, None)
     config_hash = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
     key = {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
