@@ -109,6 +109,7 @@ class BuildConfig:
     output_root: str = "outputs"
     force: bool = False  # build a new version even when an identical one exists
     verbose: bool = False  # show the libraries' known noise (pipeline/quiet.py) on stderr
+    dry_run: bool = False  # print the plan (stages, weights, KV bytes, memory) from the config alone; build nothing
     # refuse a build whose estimated peak memory exceeds this many GB; null: this machine's memory
     memory_budget_gb: float | None = None
     model: ModelConfig = MISSING

@@ -159,7 +159,7 @@ def _source_hash() -> str:
 def build_key(cfg: DictConfig) -> dict:
     """What decides the artifact: the resolved config (minus where it goes), sources, tools."""
     what = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("output_root", "force", "verbose"):
+    for key in ("output_root", "force", "verbose", "dry_run"):
         what.pop(key, None)
     config_hash = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
     key = {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
@@ -196,13 +196,17 @@ def _publish(work: Path, exp_dir: Path) -> Path:
 
 
 def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictConfig | None = None,
-          exp_dir: Path | None = None) -> Path:
+          exp_dir: Path | None = None) -> Path | None:
     """Check ``cfg``, run its stages and publish the next version of ``exp_dir`` (default
-    ``<output_root>/<experiment_name>``); an identical existing version is reused."""
+    ``<output_root>/<experiment_name>``); an identical existing version is reused. ``dry_run``: print
+    the plan and return None."""
     cfg = resolve_model(cfg, overrides or [])
     plan = check_config(cfg)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
     key = build_key(cfg)
+    if cfg.dry_run:
+        print_plan(cfg, plan, exp_dir, None if cfg.force or not exp_dir.is_dir() else _existing(exp_dir, key))
+        return None
     if exp_dir.is_dir():
         remove_debris(exp_dir)
     if not cfg.force and (existing := _existing(exp_dir, key)):
@@ -222,6 +226,38 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
         version = _publish(work, exp_dir)
     _summary(version, record)
     return version
+
+
+def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, existing: Path | None) -> None:
+    """``dry_run=true``: what the build would do and what the artifact holds, from the config alone
+    (checked as a build is; nothing exported, nothing written)."""
+    from pipeline.feasibility import GB, machine_memory, memory_estimate
+    from pipeline.kv.layouts import DTYPE_BYTES, model_layouts
+    from pipeline.models.args import draft_args, model_args, vision_args
+
+    target = model_args(cfg.model)
+    draft = draft_args(cfg.draft, target) if cfg.draft.name != "none" else None
+    layouts = model_layouts(cfg.kv, target, cfg.model.causal, draft)
+    models = {"target": (cfg.model.name, target), "draft": (cfg.draft.name, draft),
+              "vision": (cfg.vision.name, vision_args(cfg.vision, target) if cfg.vision.name != "none" else None)}
+    print(f"dry run: {exp_dir} (nothing is built or written)")
+    if existing is not None:
+        print(f"  stages: every one reused: {existing} was built from the same config, sources and tools (force=true rebuilds)")
+    else:
+        print(f"  stages: {', '.join(s.name for s in plan)} would run")
+    item = DTYPE_BYTES[cfg.model.dtype]
+    for name, (preset, args) in models.items():
+        if args is None:
+            continue
+        line = f"  {name:<7}{preset}: {args.n_parameters() / 1e6:.2f} M weights, {args.n_parameters() * item / 1e6:.2f} MB ({cfg.model.dtype})"
+        if name in layouts:
+            layout = layouts[name]
+            line += (f"; KV {layout.layout}, max_seqs={layout.max_seqs}, {'causal' if layout.causal else 'non-causal'}: "
+                     f"{sum(layout.kv_bytes_per_layer()) / 1e6:.2f} MB over {len(layout.layers)} layers")
+        print(line)
+    estimate = memory_estimate(layouts, target, cfg.model.dtype)
+    budget = cfg.memory_budget_gb * GB if cfg.memory_budget_gb is not None else machine_memory()
+    print(f"  build peak memory: an estimated {estimate['peak'] / GB:.2f} GB of a {budget / GB:.1f} GB budget")
 
 
 BUILDING = ".building-"  # a build in progress: .building-<id>/ and its lock file .building-<id>.lock

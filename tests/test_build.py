@@ -1,11 +1,13 @@
 """The whole default build through the runner, and the layouts' builds with their episodes."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-from conftest import BATCHED, CELL
+from conftest import BATCHED, CELL, compose_config
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.runner import build
 
@@ -236,3 +238,21 @@ def test_long_stage_shows_signs_of_life(capsys):
     capsys.readouterr()
     time.sleep(0.2)
     assert "still running" not in capsys.readouterr().out, "the heartbeat stops with the stage"
+
+
+def test_dry_run_plans_from_the_config_alone(tmp_path, build_dir, capsys):
+    """dry_run=true: the stages, each model's weights and KV bytes and the memory estimate, in a
+    second, nothing written; an existing identical version is named as reused."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", "draft=dflash", "vision=smolvlm_tiny",
+                           "kv.max_seqs=4", "dry_run=true"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "stages: export_vision, export, lower_kv, compile, validate would run" in proc.stdout
+    assert "draft  dflash: 0.05 M weights" in proc.stdout and "non-causal: 0.13 MB over 1 layers" in proc.stdout
+    assert "vision smolvlm_tiny" in proc.stdout and "build peak memory: an estimated" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+    version = build_dir()  # the default build, in its own output_root
+    assert build(compose_config(f"output_root={version.parent.parent}", "dry_run=true")) is None
+    assert f"every one reused: {version}" in capsys.readouterr().out
+    refused = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", "kv.max_seqs=1000000", "dry_run=true"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "over the budget" in refused.stderr  # the budget holds in a dry run too

@@ -57,3 +57,20 @@ def test_ring_rows_hold_a_window_and_a_step():
 def test_bad_kv_config(overrides, needle):
     with pytest.raises(KVConfigError, match=needle):
         layout(*overrides)
+
+
+def test_parameter_counts_from_the_config_equal_the_modules():
+    """The plan (dry_run) counts weights from the config alone: the same numbers as the built modules."""
+    from conftest import compose_config
+    from pipeline.models.args import draft_args, model_args, vision_args
+    from pipeline.models.dflash import build_draft
+    from pipeline.models.transformer import build_model
+    from pipeline.models.vision import build_vision
+
+    for overrides in (("draft=dflash", "vision=smolvlm_tiny"),
+                      ("model=muse_glimmer_tiny", "draft=dflash_muse_glimmer_tiny", "vision=muse_glimmer_tiny")):
+        cfg = compose_config(*overrides)
+        target = model_args(cfg.model)
+        draft, vision = draft_args(cfg.draft, target), vision_args(cfg.vision, target)
+        for args, module in ((target, build_model(target, 0)), (draft, build_draft(draft, 0)), (vision, build_vision(vision, 0))):
+            assert args.n_parameters() == sum(p.numel() for p in module.parameters()), type(args).__name__

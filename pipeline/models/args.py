@@ -91,6 +91,12 @@ class DraftArgs:
         """Width of the target's tapped features the draft reads: one target width per tapped layer."""
         return len(self.target_layer_ids) * self.dim
 
+    def n_parameters(self) -> int:
+        """Weights of ``models/dflash.py``'s draft (the embeddings and head are the target's)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        layer = 2 * self.dim * q + 2 * self.dim * kv + 2 * self.head_dim + 2 * self.dim + 3 * self.dim * self.hidden_dim
+        return self.feature_dim * self.dim + 2 * self.dim + self.num_hidden_layers * layer
+
 
 def draft_args(draft_cfg, target: ModelArgs) -> DraftArgs:
     """The ``draft`` config section over ``target``: its width is the target's (embeddings and head are
@@ -137,6 +143,13 @@ class VisionArgs:
     def n_image_tokens(self) -> int:
         return self.n_patches // self.scale_factor**2
 
+    def n_parameters(self) -> int:
+        """Weights of ``models/vision.py``'s ``VisionEncoder``."""
+        d, h = self.dim, self.hidden_dim
+        layer = 4 * d + 4 * (d * d + d) + (d * h + h) + (h * d + d)
+        patches = self.num_channels * self.patch_size**2 * d + d + self.n_patches * d
+        return patches + self.n_layers * layer + 2 * d + d * self.scale_factor**2 * self.out_dim
+
 
 def vision_args(vision_cfg, target: ModelArgs):
     """The ``vision`` config section as its family's encoder settings, the output at the target's width:
@@ -181,6 +194,13 @@ class GlimmerVisionArgs:
     @property
     def n_image_tokens(self) -> int:
         return self.n_patches // self.downsample_factor**2
+
+    def n_parameters(self) -> int:
+        """Weights of ``models/vision.py``'s ``GlimmerImageEncoder``."""
+        d, h, a = self.latent_dim, self.mlp_hidden, self.adapter_dim
+        block = 4 * d + 4 * (d * d + d) + (d * h + h) + (h * d + d)
+        adapter = d * self.downsample_factor**2 * a + a * a + a * self.hidden_size
+        return self.patch_dim * d + 4 * d + self.n_layers * block + adapter + self.pos_grid**2 * d
 
     @property
     def patch_dim(self) -> int:
