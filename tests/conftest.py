@@ -51,6 +51,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_CHILD_RESULTS: dict[str, dict] = {}
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked ``in_child_process(run=...)`` reports what the child process gave it: ``run()``
+    runs the module's tests once in a process of their own -> {test name: (outcome, message)}."""
+    marker = pyfuncitem.get_closest_marker("in_child_process")
+    if marker is None:
+        return None
+    module = str(pyfuncitem.path)
+    if module not in _CHILD_RESULTS:
+        _CHILD_RESULTS[module] = marker.kwargs["run"]()
+    outcome, message = _CHILD_RESULTS[module].get(pyfuncitem.name, ("missing", "the child process did not report it"))
+    if outcome == "passed":
+        return True
+    if outcome == "skipped":
+        pytest.skip(f"in the child process: {message}")
+    pytest.fail(f"in the child process ({outcome}): {message}", pytrace=False)
+
+
 def gguf_writer(path: Path, arch: str, *, n_layers: int, dim: int, hidden_dim: int, n_heads: int, n_kv_heads: int,
                 norm_eps: float, rope_base: float, vocab_size: int):
     """A gguf.GGUFWriter for ``arch`` with llama.cpp's decoder metadata written."""

@@ -45,18 +45,35 @@ if NATIVE and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("SDPA_VARLEN_NATIVE=1 needs a CUDA device", allow_module_level=True)
 
 
-def test_in_fresh_process_if_needed():
-    if not _RERUN:
-        pytest.skip("this is the fresh process: the kernels run in the tests below")
+def _run_in_fresh_process() -> dict[str, tuple[str, str]]:
+    """This module's kernel tests in a fresh interpreter process: {test name: (outcome, message)}
+    from its JUnit report."""
+    import tempfile
+    import xml.etree.ElementTree as ET
+
     env = dict(os.environ, TRITON_INTERPRET="1", SDPA_VARLEN_FRESH_PROCESS="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.xml")
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                              __file__], env=env, capture_output=True, text=True)
+        if not os.path.exists(report):
+            raise RuntimeError(f"the fresh process wrote no report: {res.stdout[-2000:]}{res.stderr[-2000:]}")
+        results = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            bad = next((c for c in case if c.tag in ("failure", "error")), None)
+            skipped = case.find("skipped")
+            if bad is not None:
+                results[case.get("name")] = ("failed", (bad.get("message") or "") + "\n" + (bad.text or "")[-3000:])
+            elif skipped is not None:
+                results[case.get("name")] = ("skipped", skipped.get("message") or "")
+            else:
+                results[case.get("name")] = ("passed", "")
+    return results
 
 
-needs_kernels = pytest.mark.skipif(_RERUN, reason="run in a fresh process (see test_in_fresh_process_if_needed)")
+# In the parent the kernel tests report the fresh process's outcome for each of them
+# (conftest.pytest_pyfunc_call); in the fresh process they run.
+needs_kernels = pytest.mark.in_child_process(run=_run_in_fresh_process) if _RERUN else pytest.mark.kernels
 
 
 @pytest.fixture(autouse=True)
