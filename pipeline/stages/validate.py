@@ -76,7 +76,7 @@ def plan(validate_cfg, max_seqs: int, vocab: int) -> list[_Script]:
             for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
 
 
-def add_images(scripts: list[_Script], vision: dict, seed: int) -> None:
+def add_images(scripts: list[_Script], vision: dict, vocab_size: int, seed: int) -> None:
     """Every other sequence (seq1, seq3, ...) gets a random image: its placeholder tokens go in after the
     prompt's first token, and no other token of the prompt is the placeholder."""
     import numpy as np
@@ -85,7 +85,7 @@ def add_images(scripts: list[_Script], vision: dict, seed: int) -> None:
     placeholder, size = vision["image_token_id"], vision["image_size"]
     for s in scripts[1::2]:
         s.image = rng.integers(0, 256, (size, size, vision["num_channels"]), dtype=np.uint8)
-        text = [t if t != placeholder else (t + 1) % 2**31 for t in s.prompt]
+        text = [t if t != placeholder else (t + 1) % vocab_size for t in s.prompt]
         s.prompt = text[:1] + [placeholder] * vision["n_image_tokens"] + text[1:]
 
 
@@ -123,7 +123,7 @@ def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple, pl
         return model.logits(hidden)
 
 
-def _speculative_round(session: Session, model, draft, rounds: dict, by_id: dict, metric: str) -> None:
+def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> None:
     """Check each sequence's round against the eager models: the draft's logits from the eager target's
     features, the target's logits on the verified block; both caches rolled back as the session's."""
     taps = tuple(draft.args.target_layer_ids)
@@ -180,7 +180,7 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
         decoding = [s for s in live if s.fed == len(s.prompt)]
         if draft is not None and decoding:  # every decoding sequence speculates, in one round
             rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
-            _speculative_round(session, model, draft, rounds, by_id, metric)
+            _speculative_round(model, draft, rounds, by_id, metric)
             stats["speculative_rounds"] += 1
             stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
             _finish(session, live)
@@ -273,7 +273,7 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inp
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
             _text_prompts(scripts, list(validate_cfg.prompts), session)
         if vision is not None:
-            add_images(scripts, session.vision, validate_cfg.seed)
+            add_images(scripts, session.vision, session.vocab_size, validate_cfg.seed)
         how = ("speculatively (DFlash draft) " if draft is not None else "") + ("with images " if vision is not None else "")
         print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
         stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft, vision)
