@@ -123,7 +123,12 @@ def run_build(cfg: DictConfig) -> None:
 
     try:
         with filtered_stderr(enabled=not cfg.verbose) as noise:
-            build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)  # dry_run=true: the plan only
+            if cfg.rebuild:
+                from pipeline.runner import rebuild
+
+                rebuild(Path(cfg.rebuild))
+            else:
+                build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)  # dry_run=true: the plan only
         if noise["hidden"]:
             print(f"  ({noise['hidden']} lines of known library warnings hidden; verbose=true shows them)")
     except (ConfigError, BuildError) as err:

@@ -110,6 +110,7 @@ class BuildConfig:
     force: bool = False  # build a new version even when an identical one exists
     verbose: bool = False  # show the libraries' known noise (pipeline/quiet.py) on stderr
     dry_run: bool = False  # print the plan (stages, weights, KV bytes, memory) from the config alone; build nothing
+    rebuild: str | None = None  # a version directory: build it again from the config it records, compare the programs
     # refuse a build whose estimated peak memory exceeds this many GB; null: this machine's memory
     memory_budget_gb: float | None = None
     model: ModelConfig = MISSING

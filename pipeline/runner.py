@@ -159,7 +159,7 @@ def _source_hash() -> str:
 def build_key(cfg: DictConfig) -> dict:
     """What decides the artifact: the resolved config (minus where it goes), sources, tools."""
     what = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("output_root", "force", "verbose", "dry_run"):
+    for key in ("output_root", "force", "verbose", "dry_run", "rebuild"):
         what.pop(key, None)
     config_hash = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
     key = {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
@@ -196,10 +196,10 @@ def _publish(work: Path, exp_dir: Path) -> Path:
 
 
 def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictConfig | None = None,
-          exp_dir: Path | None = None) -> Path | None:
+          exp_dir: Path | None = None, reproduces: Path | None = None) -> Path | None:
     """Check ``cfg``, run its stages and publish the next version of ``exp_dir`` (default
     ``<output_root>/<experiment_name>``); an identical existing version is reused. ``dry_run``: print
-    the plan and return None."""
+    the plan and return None. ``reproduces``: the version this build rebuilds (``rebuild``)."""
     cfg = resolve_model(cfg, overrides or [])
     plan = check_config(cfg)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
@@ -217,6 +217,9 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
     with _WorkDir(exp_dir) as work:
         try:
             record = _run_stages(cfg, plan, work, key, overrides or [], hydra_cfg)
+            if reproduces is not None:
+                record["reproduction"] = _compare(reproduces, record)
+                (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
         except BaseException:
             failed = exp_dir / ".failed" / f"{time.strftime('%Y%m%d-%H%M%S')}-{work.name.removeprefix(BUILDING)}"
             failed.parent.mkdir(exist_ok=True)
@@ -226,6 +229,33 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
         version = _publish(work, exp_dir)
     _summary(version, record)
     return version
+
+
+def rebuild(version: Path) -> Path:
+    """Build ``version`` again from the config it records (``.hydra/config.yaml``) into the next version
+    of its experiment directory; the new ``build.json`` says whether its programs are byte-identical."""
+    from pipeline.config import SCHEMA
+
+    recorded = version / ".hydra" / "config.yaml"
+    if not recorded.is_file() or not (version / "build.json").is_file():
+        raise ConfigError(f"rebuild={version} is not a version directory (it needs .hydra/config.yaml and build.json)")
+    cfg = OmegaConf.merge(OmegaConf.structured(SCHEMA), OmegaConf.load(recorded))
+    cfg.force, cfg.rebuild, cfg.dry_run = True, None, False
+    print(f"rebuilding {version} from {recorded}")
+    new = build(cfg, [], exp_dir=version.parent, reproduces=version)
+    result = json.loads((new / "build.json").read_text())["reproduction"]
+    print(f"  reproduction of {version}: {'byte-identical' if result['identical'] else 'DIFFERS'} "
+          f"({', '.join(f'{n} {s}' for n, s in result['artifacts'].items())})")
+    return new
+
+
+def _compare(original: Path, record: dict) -> dict:
+    """The programs of this build against those ``original`` recorded: the same bytes (sha256)?"""
+    theirs = json.loads((original / "build.json").read_text())["artifacts"]
+    programs = [name for name in record["artifacts"] if name.endswith((".pte", ".ptd"))]
+    same = {name: "identical" if theirs.get(name, {}).get("sha256") == record["artifacts"][name]["sha256"] else "differs"
+            for name in programs}
+    return {"of": str(original), "artifacts": same, "identical": bool(same) and all(s == "identical" for s in same.values())}
 
 
 def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, existing: Path | None) -> None:

@@ -256,3 +256,23 @@ def test_dry_run_plans_from_the_config_alone(tmp_path, build_dir, capsys):
     refused = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", "kv.max_seqs=1000000", "dry_run=true"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "over the budget" in refused.stderr  # the budget holds in a dry run too
+
+
+def test_rebuild_from_the_recorded_config_is_byte_identical(tmp_path):
+    """rebuild=<version>: the config the version records builds the next version, and its build.json
+    says whether the program's bytes are the same; an original whose recorded hash differs is seen."""
+    from pipeline.runner import rebuild
+
+    first = build(compose_config(f"output_root={tmp_path}", "model=tiny_flat", "backend=portable",
+                                 "stages=[export,lower_kv,compile]"))
+    second = rebuild(first)
+    assert second.name == "v0002" and second.parent == first.parent
+    result = json.loads((second / "build.json").read_text())["reproduction"]
+    assert result == {"of": str(first), "artifacts": {"model.pte": "identical"}, "identical": True}
+    record = json.loads((first / "build.json").read_text())
+    record["artifacts"]["model.pte"]["sha256"] = "0" * 64
+    (first / "build.json").write_text(json.dumps(record))
+    third = rebuild(first)
+    assert json.loads((third / "build.json").read_text())["reproduction"]["identical"] is False
+    proc = subprocess.run([sys.executable, "-m", "pipeline", f"rebuild={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is not a version directory" in proc.stderr
