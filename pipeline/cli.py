@@ -107,33 +107,67 @@ def main(hydra_main, argv: list[str]) -> None:
 
 def run_build(cfg: DictConfig) -> None:
     """The task of one job: in a multirun each job builds into its own experiment directory,
-    ``<output_root>/<experiment_name>/<its overrides>/`` (Hydra's override_dirname)."""
+    ``<output_root>/<experiment_name>/<its overrides>/`` (Hydra's override_dirname), and records its
+    row of the sweep's report (``pipeline/sweep.py``), failed or not."""
+    import time
+
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from pipeline.quiet import filtered_stderr
     from pipeline.runner import build
 
     hydra_cfg = HydraConfig.get()
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     exp_dir = None
-    if hydra_cfg.mode == RunMode.MULTIRUN:
+    if sweeping:
         exp_dir = Path(cfg.output_root) / cfg.experiment_name
         if name := hydra_cfg.job.override_dirname.replace("/", "_"):
             exp_dir /= name
-    from pipeline.quiet import filtered_stderr
-
+    start, version, decode = time.perf_counter(), None, None
     try:
         with filtered_stderr(enabled=not cfg.verbose) as noise:
             if cfg.rebuild:
                 from pipeline.runner import rebuild
 
-                rebuild(Path(cfg.rebuild))
+                version = rebuild(Path(cfg.rebuild))
             else:
-                build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)  # dry_run=true: the plan only
+                version = build(cfg, list(hydra_cfg.overrides.task), hydra_cfg, exp_dir)  # dry_run=true: the plan only
+            if version is not None and cfg.measure_decode_steps:
+                decode = _measure(cfg, version)
         if noise["hidden"]:
             print(f"  ({noise['hidden']} lines of known library warnings hidden; verbose=true shows them)")
-    except (ConfigError, BuildError) as err:
-        if hydra_cfg.mode != RunMode.MULTIRUN:
+    except Exception as err:
+        if sweeping and not cfg.dry_run:
+            _record(cfg, hydra_cfg, None, time.perf_counter() - start, f"{type(err).__name__}: {err}", None)
+        if not isinstance(err, (ConfigError, BuildError)):
+            raise
+        if not sweeping:
             fail(str(err))
         # a sweep goes on with its other jobs; Hydra raises the first failure at the end
         print(f"error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): {err}", file=sys.stderr)
         raise
+    if sweeping and version is not None:
+        _record(cfg, hydra_cfg, version, time.perf_counter() - start, None, decode)
+
+
+def _measure(cfg: DictConfig, version: Path) -> dict | None:
+    """measure_decode_steps: decode tokens/s of the artifact through its session (CPU backends)."""
+    from pipeline.backends import backend
+
+    if backend(cfg.backend.name).needs_gpu:
+        print(f"  decode speed not measured: backend={cfg.backend.name} runs through bench/cuda_build.sh")
+        return None
+    from pipeline.runtime.throughput import decode_rate
+
+    rate = decode_rate(version, steps=cfg.measure_decode_steps)
+    print(f"  decode: {rate['tokens_per_s']:.1f} tokens/s ({rate['sequences']} sequences, median step "
+          f"{rate['step_ms']:.2f} ms over {rate['steps']} steps after {rate['context']} tokens each)")
+    return rate
+
+
+def _record(cfg, hydra_cfg, version, seconds, error, decode) -> None:
+    from pipeline.sweep import job_row, record_job
+
+    job = {"num": hydra_cfg.job.num, "overrides": hydra_cfg.job.override_dirname}
+    record_job(Path(hydra_cfg.sweep.dir), job_row(cfg, job, version, seconds, error, decode))

@@ -107,10 +107,13 @@ class BuildConfig:
     experiment_name: str = "default"
     stages: list[str] = field(default_factory=lambda: ["export_vision", "export", "lower_kv", "compile", "validate"])
     output_root: str = "outputs"
-    force: bool = False  # build a new version even when an identical one exists
+    force: bool = False  # build every stage again, whatever the stage cache holds (the new entries replace the old)
+    force_from: str | None = None  # a stage: build it and every later stage again, take the earlier ones from the cache
+    cache_dir: str | None = None  # the stage cache (pipeline/cache); null: <output_root>/.cache
     verbose: bool = False  # show the libraries' known noise (pipeline/quiet.py) on stderr
     dry_run: bool = False  # print the plan (stages, weights, KV bytes, memory) from the config alone; build nothing
     rebuild: str | None = None  # a version directory: build it again from the config it records, compare the programs
+    measure_decode_steps: int = 0  # > 0: after the build, time this many decode steps of every sequence (a sweep's report)
     # refuse a build whose estimated peak memory exceeds this many GB; null: this machine's memory
     memory_budget_gb: float | None = None
     model: ModelConfig = MISSING

@@ -18,7 +18,7 @@ def rebuild(version: Path) -> Path:
     if not recorded.is_file() or not (version / "build.json").is_file():
         raise ConfigError(f"rebuild={version} is not a version directory (it needs .hydra/config.yaml and build.json)")
     cfg = OmegaConf.merge(OmegaConf.structured(SCHEMA), OmegaConf.load(recorded))
-    cfg.force, cfg.rebuild, cfg.dry_run = True, None, False
+    cfg.force, cfg.force_from, cfg.rebuild, cfg.dry_run = True, None, None, False  # every stage built again, none from the cache
     print(f"rebuilding {version} from {recorded}")
     from pipeline.runner import build
 
@@ -38,9 +38,10 @@ def compare_programs(original: Path, record: dict) -> dict:
     return {"of": str(original), "artifacts": same, "identical": bool(same) and all(s == "identical" for s in same.values())}
 
 
-def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, existing: Path | None) -> None:
-    """``dry_run=true``: what the build would do and what the artifact holds, from the config alone
-    (checked as a build is; nothing exported, nothing written)."""
+def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, statuses: dict[str, str]) -> None:
+    """``dry_run=true``: what the build would do (``statuses``: per stage, cached or why it would be
+    built) and what the artifact holds, from the config alone (checked as a build is; nothing
+    exported, nothing written)."""
     from pipeline.feasibility import GB, machine_memory, memory_estimate
     from pipeline.kv.layouts import DTYPE_BYTES, model_layouts
     from pipeline.models.args import draft_args, model_args, vision_args
@@ -51,10 +52,8 @@ def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, existing: Path | None
     models = {"target": (cfg.model.name, target), "draft": (cfg.draft.name, draft),
               "vision": (cfg.vision.name, vision_args(cfg.vision, target) if cfg.vision.name != "none" else None)}
     print(f"dry run: {exp_dir} (nothing is built or written)")
-    if existing is not None:
-        print(f"  stages: every one reused: {existing} was built from the same config, sources and tools (force=true rebuilds)")
-    else:
-        print(f"  stages: {', '.join(s.name for s in plan)} would run")
+    for i, stage in enumerate(plan, 1):
+        print(f"  [{i}/{len(plan)}] {stage.name}: {statuses[stage.name]}")
     item = DTYPE_BYTES[cfg.model.dtype]
     for name, (preset, args) in models.items():
         if args is None:
@@ -62,8 +61,9 @@ def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, existing: Path | None
         line = f"  {name:<7}{preset}: {args.n_parameters() / 1e6:.2f} M weights, {args.n_parameters() * item / 1e6:.2f} MB ({cfg.model.dtype})"
         if name in layouts:
             layout = layouts[name]
+            kv = sum(layout.kv_bytes_per_layer())
             line += (f"; KV {layout.layout}, max_seqs={layout.max_seqs}, {'causal' if layout.causal else 'non-causal'}: "
-                     f"{sum(layout.kv_bytes_per_layer()) / 1e6:.2f} MB over {len(layout.layers)} layers")
+                     f"{kv} bytes ({kv / 1e6:.2f} MB) over {len(layout.layers)} layers")
         print(line)
     estimate = memory_estimate(layouts, target, cfg.model.dtype)
     budget = cfg.memory_budget_gb * GB if cfg.memory_budget_gb is not None else machine_memory()

@@ -8,6 +8,7 @@ as it comes, and counts what it dropped.
 """
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -35,6 +36,16 @@ def filtered_stderr(enabled: bool = True):
     if not enabled:
         yield counts
         return
+
+    class Drop(logging.Filter):  # the same noise through logging (torchao logs its "Failed to load" to Hydra's stdout handler)
+        def filter(self, record: logging.LogRecord) -> bool:
+            if is_noise(record.getMessage()):
+                counts["hidden"] += 1
+                return False
+            return True
+
+    drop = Drop()
+    logging.getLogger("torchao").addFilter(drop)
     sys.stderr.flush()
     original = os.dup(2)
     read_end, write_end = os.pipe()
@@ -62,3 +73,4 @@ def filtered_stderr(enabled: bool = True):
         os.dup2(original, 2)  # the pipe's last writer goes: the pump reads to its end
         thread.join(timeout=10)
         os.close(original)
+        logging.getLogger("torchao").removeFilter(drop)

@@ -1,32 +1,30 @@
-"""The runner: checks the config, runs the stages in order, owns the output
-directory and the build record.
+"""The runner: checks the config, runs each stage or takes it from the stage cache, and records the build.
 
-A build works in ``outputs/<experiment>/.building-<id>/`` and becomes the next
-version ``outputs/<experiment>/vNNNN/`` only when every stage succeeded, so a
-failed or interrupted build never leaves a version that looks complete (a
-failed one is kept under ``.failed/`` to inspect). An existing version built
-from the same config, sources and tools is reused instead of rebuilt.
+Each stage's result is looked up in the stage cache (``pipeline/cache.py``) under a key of what
+decides it; a stage whose key is there is not run, and the run says per stage ``cached`` or
+``building`` and why (what changed since the experiment's last version). The version directory
+(``pipeline/versions.py``) gets the entries' files, linked, and ``build.json``; a version built from
+the same entries is reused whole.
 """
 
 import contextlib
 import copy
-import fcntl
 import hashlib
 import json
-import os
 import platform
 import shutil
 import subprocess
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.cache import Cache, LazyArtifacts, changes, stage_keys, tool_versions
 from pipeline.errors import ConfigError
 from pipeline.plan import compare_programs, print_plan, rebuild  # noqa: F401  (rebuild: the CLI's)
 from pipeline.stages import check_order
+from pipeline.versions import BUILDING, WorkDir, existing, publish, remove_debris, sha256_file, versions
 
 SRC = Path(__file__).resolve().parent
 
@@ -124,20 +122,14 @@ def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _tool_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    versions = {"python": platform.python_version()}
-    for package in ("torch", "executorch", "triton", "hydra-core"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions
+    try:
+        hydra = version("hydra-core")
+    except PackageNotFoundError:
+        hydra = "not installed"
+    return {"python": platform.python_version(), **tool_versions(), "hydra-core": hydra}
 
 
 def _git_revision() -> str:
@@ -149,75 +141,79 @@ def _git_revision() -> str:
         return "unknown"
 
 
-def _source_hash() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(SRC.rglob("*.py")):
-        digest.update(str(path.relative_to(SRC)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+def _forced(cfg: DictConfig, plan: list) -> dict[str, str]:
+    """The stages to build whatever the cache holds, and why."""
+    names = [s.name for s in plan]
+    if cfg.force:
+        return dict.fromkeys(names, "force=true")
+    if cfg.force_from:
+        if cfg.force_from not in names:
+            raise ConfigError(f"force_from={cfg.force_from} is not a stage of this build; choose one of {', '.join(names)}")
+        return dict.fromkeys(names[names.index(cfg.force_from):], f"force_from={cfg.force_from}")
+    return {}
 
 
-def build_key(cfg: DictConfig) -> dict:
-    """What decides the artifact: the resolved config (minus where it goes), sources, tools."""
-    what = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("output_root", "force", "verbose", "dry_run", "rebuild"):
-        what.pop(key, None)
-    config_hash = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-    key = {"config_hash": config_hash, "source_hash": _source_hash(), "tools": _tool_versions()}
-    if cfg.model.checkpoint:
-        from pipeline.models.loaders import content_hash
+def _why_build(stage: str, key: dict, previous: dict | None, forced: dict, damaged: str | None) -> str:
+    if stage in forced:
+        return forced[stage]
+    if damaged:
+        return f"its cache entry {key['digest'][:12]} was damaged ({damaged}), so it is rebuilt"
+    if previous is None:
+        return "not in the cache"
+    if stage not in previous.get("stage_keys", {}):
+        return f"not in the cache; {previous['version']} did not run it"
+    said = changes(previous["stage_keys"][stage], key["parts"])
+    if not said:
+        return f"its cache entry (as used by {previous['version']}) is gone"
+    return f"changed since {previous['version']}: {'; '.join(said[:4])}{f' and {len(said) - 4} more' if len(said) > 4 else ''}"
 
-        key["checkpoint_sha256"] = content_hash(cfg.model.checkpoint)
-    return key
 
-
-def _existing(exp_dir: Path, key: dict) -> Path | None:
-    for version in sorted(exp_dir.glob("v[0-9]*"), reverse=True):
-        try:
-            record = json.loads((version / "build.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if all(record.get(k) == v for k, v in key.items()):
-            return version
+def _previous(exp_dir: Path) -> dict | None:
+    """The newest version's record, to say what changed since it."""
+    for version, record in versions(exp_dir):
+        if "stage_keys" in record:
+            return record | {"version": version.name}
     return None
 
 
-def _publish(work: Path, exp_dir: Path) -> Path:
-    """Rename the finished work dir to the next free version; never overwrite one."""
-    while True:
-        numbers = [int(p.name[1:]) for p in exp_dir.glob("v[0-9]*") if p.name[1:].isdigit()]
-        target = exp_dir / f"v{max(numbers, default=0) + 1:04d}"
-        try:
-            os.rename(work, target)  # fails if target exists: another build took the number
-            return target
-        except OSError:
-            if target.exists():
-                continue
-            raise
+def cache_of(cfg: DictConfig) -> Cache:
+    return Cache(Path(cfg.cache_dir) if cfg.cache_dir else Path(cfg.output_root) / ".cache")
 
 
 def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictConfig | None = None,
           exp_dir: Path | None = None, reproduces: Path | None = None) -> Path | None:
-    """Check ``cfg``, run its stages and publish the next version of ``exp_dir`` (default
-    ``<output_root>/<experiment_name>``); an identical existing version is reused. ``dry_run``: print
-    the plan and return None. ``reproduces``: the version this build rebuilds (``rebuild``)."""
+    """Check ``cfg``, run its stages (each reused from the stage cache when its key is there) and
+    publish the next version of ``exp_dir`` (default ``<output_root>/<experiment_name>``); an existing
+    version of the same stage entries is reused. ``dry_run``: print the plan and return None.
+    ``reproduces``: the version this build rebuilds (``rebuild``)."""
     cfg = resolve_model(cfg, overrides or [])
     plan = check_config(cfg)
+    forced = _forced(cfg, plan)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
-    key = build_key(cfg)
+    keys = stage_keys(cfg, plan)
+    cache = cache_of(cfg)
+    previous = _previous(exp_dir) if exp_dir.is_dir() else None
     if cfg.dry_run:
-        print_plan(cfg, plan, exp_dir, None if cfg.force or not exp_dir.is_dir() else _existing(exp_dir, key))
+        statuses = {}
+        for stage in plan:
+            key = keys[stage.name]
+            entry = None if stage.name in forced else cache.peek(stage.name, key["digest"])
+            statuses[stage.name] = (f"cached ({key['digest'][:12]})" if entry else
+                                    f"would build: {_why_build(stage.name, key, previous, forced, None)}")
+        print_plan(cfg, plan, exp_dir, statuses)
         return None
     if exp_dir.is_dir():
         remove_debris(exp_dir)
-    if not cfg.force and (existing := _existing(exp_dir, key)):
-        print(f"up to date: {existing} was built from the same config, sources and tools (force=true rebuilds)")
-        return existing
+    if not forced and exp_dir.is_dir() and (reused := existing(exp_dir, keys)):
+        for i, stage in enumerate(plan, 1):
+            print(f"[{i}/{len(plan)}] {stage.name}: cached ({keys[stage.name]['digest'][:12]})")
+        print(f"up to date: {reused} was built from the same config, inputs, code and tools (force=true rebuilds)")
+        return reused
 
     exp_dir.mkdir(parents=True, exist_ok=True)
-    with _WorkDir(exp_dir) as work:
+    with cache.building(), WorkDir(exp_dir) as work:
         try:
-            record = _run_stages(cfg, plan, work, key, overrides or [], hydra_cfg)
+            record = _run_stages(cfg, plan, keys, cache, work, overrides or [], hydra_cfg, previous, forced)
             if reproduces is not None:
                 record["reproduction"] = compare_programs(reproduces, record)
                 (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -227,107 +223,86 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
             shutil.move(str(work), failed)
             print(f"build failed; partial outputs kept for inspection in {failed} (not a version)")
             raise
-        version = _publish(work, exp_dir)
+        version = publish(work, exp_dir)
     _summary(version, record)
     return version
 
 
-BUILDING = ".building-"  # a build in progress: .building-<id>/ and its lock file .building-<id>.lock
-
-
-class _WorkDir:
-    """``.building-<id>/`` for one build, owned through an exclusive lock on ``.building-<id>.lock``.
-
-    The kernel drops the lock when the process dies, however it dies (an error, SIGKILL, the
-    out-of-memory killer), so a later build can tell a live build's directory from debris. The
-    lock file appears already locked (locked under a temporary name, then renamed)."""
-
-    def __init__(self, exp_dir: Path):
-        self.id = uuid.uuid4().hex[:8]
-        self.path = exp_dir / f"{BUILDING}{self.id}"
-        self.lock_path = exp_dir / f"{BUILDING}{self.id}.lock"
-
-    def __enter__(self) -> Path:
-        pending = self.lock_path.with_name(f".pending-{self.id}.lock")
-        self._lock = open(pending, "x")
-        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._lock.write(json.dumps({"pid": os.getpid(), "host": platform.node(),
-                                     "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        self._lock.flush()
-        os.rename(pending, self.lock_path)
-        self.path.mkdir()
-        return self.path
-
-    def __exit__(self, *exc) -> None:
-        self.lock_path.unlink(missing_ok=True)
-        self._lock.close()
-
-
-def remove_debris(exp_dir: Path) -> list[Path]:
-    """Remove what builds that died left in ``exp_dir`` (their lock is free): say what and whose."""
-    removed = []
-    for lock_path in sorted([*exp_dir.glob(f"{BUILDING}*.lock"), *exp_dir.glob(".pending-*.lock")]):
-        with open(lock_path) as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live build holds it
-            owner = lock.read().strip()
-            work = lock_path.with_suffix("")
-            if work.exists():
-                shutil.rmtree(work)
-                removed.append(work)
-                print(f"removed {work}: left by a build that died ({owner or 'owner unknown'}); not a version")
-            lock_path.unlink(missing_ok=True)
-    for work in sorted(exp_dir.glob(f"{BUILDING}*")):
-        # a live build creates its lock before its directory: a directory without one is debris
-        if work.is_dir() and not work.with_name(work.name + ".lock").exists():
-            shutil.rmtree(work)
-            removed.append(work)
-            print(f"removed {work}: left by a build that died (no lock); not a version")
-    return removed
-
-
-def _run_stages(cfg, plan, work: Path, key: dict, overrides: list[str], hydra_cfg) -> dict:
+def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list[str], hydra_cfg,
+                previous: dict | None, forced: dict) -> dict:
+    """Each stage from its cache entry or built (and stored) under the entry's lock; the version's
+    files are the entries' files, linked; ``build.json`` says which stage came from where."""
     (work / ".hydra").mkdir()
     OmegaConf.save(cfg, work / ".hydra" / "config.yaml", resolve=True)
     (work / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
     if hydra_cfg is not None:
         OmegaConf.save(hydra_cfg, work / ".hydra" / "hydra.yaml")
-    artifacts: dict = {}
-    timings = {}
+    artifacts = LazyArtifacts()
+    entries, timings = {}, {}
     for i, stage in enumerate(plan, 1):
-        print(f"[{i}/{len(plan)}] {stage.name}", flush=True)
+        key = keys[stage.name]
         start = time.perf_counter()
-        inputs = {name: artifacts[name] for name in (*stage.needs, *stage.optional) if name in artifacts}
-        with _heartbeat(stage.name):
-            outputs = stage.load()(*(cfg[s] for s in stage.sections), inputs, work)
+        with cache.claim(stage.name, key["digest"]):
+            entry, damaged = (None, None) if stage.name in forced else cache.lookup(stage.name, key["digest"])
+            if entry is not None:
+                how = "cached"
+                entry.link_files(work)
+                artifacts.add_lazy(stage.gives, _loader(stage.name, entry, work))
+                print(f"[{i}/{len(plan)}] {stage.name}: cached ({key['digest'][:12]}, built in {entry.record['seconds']:.1f} s "
+                      f"on {entry.record['created']})", flush=True)
+            else:
+                print(f"[{i}/{len(plan)}] {stage.name}: building ({_why_build(stage.name, key, previous, forced, damaged)})",
+                      flush=True)
+                before = {p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file()}
+                with _heartbeat(stage.name):
+                    outputs = stage.load()(*(cfg[s] for s in stage.sections),
+                                           artifacts.view((*stage.needs, *stage.optional)), work)
+                seconds = time.perf_counter() - start
+                new_files = sorted(p.relative_to(work).as_posix() for p in work.rglob("*")
+                                   if p.is_file() and p.relative_to(work).as_posix() not in before)
+                entry = cache.store(stage.name, key, work, new_files, outputs, _facts(outputs), seconds)
+                artifacts.add(outputs)
+                how = "built"
+                print(f"      {stage.name} built in {seconds:.1f} s", flush=True)
+        entries[stage.name] = (entry, how)
         timings[stage.name] = round(time.perf_counter() - start, 3)
-        print(f"      {stage.name} done in {timings[stage.name]:.1f} s", flush=True)
-        artifacts.update(outputs)
+    facts = [e.record["facts"] for e, _ in entries.values()]
     record = {
-        **key,
         "experiment": cfg.experiment_name,
         "stages": [s.name for s in plan],
         "stage_seconds": timings,
         "total_seconds": round(sum(timings.values()), 3),
+        "stage_entries": {name: {"key": e.key, "from": how, "built_seconds": e.record["seconds"]}
+                          for name, (e, how) in entries.items()},
+        "cache_dir": str(cache.root),
+        "tools": _tool_versions(),
         "git_revision": _git_revision(),
-        "inputs": _input_hashes(artifacts),
-        "artifacts": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        "inputs": {name: sha for f in facts for name, sha in f.get("weights", {}).items()},
+        "artifacts": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                       for p in sorted(work.iterdir()) if p.is_file()},
+        "stage_keys": {name: key["parts"] for name, key in keys.items()},
     }
     # one section per model of the artifact: its weights and, once lowered, its KV stores
     models = {name: {"weights_sha256": digest} for name, digest in record["inputs"].items()}
-    for name, kv in artifacts.get("kv_sections", {}).items():
+    kv_sections = next((f["kv_sections"] for f in facts if "kv_sections" in f), None)
+    for name, kv in (kv_sections or {}).items():
         models.setdefault(name, {}).update(layout=kv["layout"], causal=kv["causal"],
                                            kv_bytes_per_layer=kv["kv_bytes_per_layer"], kv_bytes_total=kv["kv_bytes_total"])
     record["models"] = models
-    if "kv_sections" in artifacts:
+    if kv_sections is not None:
         record["kv_bytes_total"] = sum(m.get("kv_bytes_total", 0) for m in models.values())  # vision has no KV
-    if "validation" in artifacts:
-        record["validation_passed"] = artifacts["validation"]["passed"]
+    if passed := [f["validation_passed"] for f in facts if "validation_passed" in f]:
+        record["validation_passed"] = passed[0]
     (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _loader(stage: str, entry, work: Path):
+    def load() -> dict:
+        print(f"      loading {stage}'s result from the cache", flush=True)
+        return entry.load_outputs(work)
+
+    return load
 
 
 @contextlib.contextmanager
@@ -349,20 +324,25 @@ def _heartbeat(name: str, every: float = 60.0):
         thread.join()
 
 
-def _input_hashes(artifacts: dict) -> dict:
-    """sha256 of each eager model's weights, by model name."""
+def _facts(outputs: dict) -> dict:
+    """What build.json says about a stage's results, kept in its entry: the sha256 of each eager
+    model's weights, the KV sections, whether validation passed."""
     from pipeline.runtime.aoti import tensor_bytes
 
-    hashes = {}
+    facts: dict = {}
     for name, key in (("target", "model"), ("draft", "draft"), ("vision", "vision")):
-        if artifacts.get(key) is None:
+        if outputs.get(key) is None:
             continue
         digest = hashlib.sha256()
-        for tensor_name, tensor in sorted(artifacts[key].state_dict().items()):
+        for tensor_name, tensor in sorted(outputs[key].state_dict().items()):
             digest.update(tensor_name.encode())
             digest.update(tensor_bytes(tensor))
-        hashes[name] = digest.hexdigest()
-    return hashes
+        facts.setdefault("weights", {})[name] = digest.hexdigest()
+    if "kv_sections" in outputs:
+        facts["kv_sections"] = outputs["kv_sections"]
+    if "validation" in outputs:
+        facts["validation_passed"] = outputs["validation"]["passed"]
+    return facts
 
 
 def _summary(version: Path, record: dict) -> None:

@@ -1,6 +1,7 @@
 """The whole default build through the runner, and the layouts' builds with their episodes."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,35 +170,11 @@ def _pipeline(*args, cwd, **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
-def test_killed_build_leaves_debris_the_next_build_removes(tmp_path):
-    """SIGKILL mid-build (as the out-of-memory killer does): no version; the rerun removes the
-    .building-* directory, says so, and publishes v0001."""
-    import signal
-    import time
-
-    args = (f"output_root={tmp_path}", "backend=portable", "model=tiny_flat", "stages=[export,lower_kv,compile]")
-    proc = _pipeline(*args, cwd=tmp_path)
-    exp = tmp_path / "default"
-    deadline = time.time() + 120
-    while not list(exp.glob(".building-*/.hydra/config.yaml")) and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)  # into export
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    debris = [p for p in exp.glob(".building-*") if p.is_dir()]
-    assert len(debris) == 1 and not list(exp.glob("v[0-9]*"))
-    rerun = _pipeline(*args, cwd=tmp_path)
-    out, err = rerun.communicate(timeout=600)
-    assert rerun.returncode == 0, err
-    assert f"removed {debris[0]}: left by a build that died" in out and "pid" in out
-    assert sorted(p.name for p in exp.iterdir()) == ["v0001"]
-
-
 def test_live_build_is_not_debris(tmp_path):
     """A build in progress holds its lock: another build in the same directory leaves it alone."""
-    from pipeline.runner import _WorkDir, remove_debris
+    from pipeline.versions import WorkDir, remove_debris
 
-    with _WorkDir(tmp_path) as work:
+    with WorkDir(tmp_path) as work:
         assert remove_debris(tmp_path) == [] and work.is_dir()
     # the build ended without publishing or moving its directory to .failed: now that is debris too
     orphan = tmp_path / ".building-deadbeef"  # no lock at all
@@ -241,18 +218,24 @@ def test_long_stage_shows_signs_of_life(capsys):
 
 
 def test_dry_run_plans_from_the_config_alone(tmp_path, build_dir, capsys):
-    """dry_run=true: the stages, each model's weights and KV bytes and the memory estimate, in a
-    second, nothing written; an existing identical version is named as reused."""
+    """dry_run=true: each stage cached or why it would build, each model's weights and KV bytes (the
+    built artifact's, to the byte) and the memory estimate, in a second, nothing written."""
     proc = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", "draft=dflash", "vision=smolvlm_tiny",
                            "kv.max_seqs=4", "dry_run=true"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "stages: export_vision, export, lower_kv, compile, validate would run" in proc.stdout
-    assert "draft  dflash: 0.05 M weights" in proc.stdout and "non-causal: 0.13 MB over 1 layers" in proc.stdout
+    assert "[2/5] export: would build: not in the cache" in proc.stdout
+    assert "draft  dflash: 0.05 M weights" in proc.stdout and "non-causal: 131072 bytes (0.13 MB) over 1 layers" in proc.stdout
     assert "vision smolvlm_tiny" in proc.stdout and "build peak memory: an estimated" in proc.stdout
     assert list(tmp_path.iterdir()) == []
     version = build_dir()  # the default build, in its own output_root
+    capsys.readouterr()
     assert build(compose_config(f"output_root={version.parent.parent}", "dry_run=true")) is None
-    assert f"every one reused: {version}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert re.findall(r"\[\d/5\] (\w+): cached", out) == ["export_vision", "export", "lower_kv", "compile", "validate"]
+    record = json.loads((version / "build.json").read_text())
+    assert f"causal: {record['kv_bytes_total']} bytes" in out  # the dry run's KV bytes are the artifact's
+    assert build(compose_config(f"output_root={version.parent.parent}", "dry_run=true", "kv.max_seqs=2")) is None
+    assert "[3/5] lower_kv: would build: changed since v0001: kv.max_seqs 1 -> 2" in capsys.readouterr().out
     refused = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", "kv.max_seqs=1000000", "dry_run=true"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "over the budget" in refused.stderr  # the budget holds in a dry run too

@@ -208,15 +208,20 @@ def test_override_contradicting_the_checkpoint(tmp_path):
     assert proc.returncode == 2 and "model.family=llama contradicts" in proc.stderr and "family=qwen3" in proc.stderr
 
 
-def test_checkpoint_hash_is_in_the_build_key(tmp_path):
-    from pipeline.runner import build_key
+def test_checkpoint_hash_is_in_the_stage_keys(tmp_path):
+    """The export's key holds the checkpoint's content: a changed file is a different key."""
+    from pipeline.cache import stage_keys
+    from pipeline.stages import check_order
 
     save_tiny("qwen2", tmp_path)
     cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path}"), [])
-    before = build_key(cfg)["checkpoint_sha256"]
+    plan = check_order(["export"])
+    before = stage_keys(cfg, plan)["export"]
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "note": 1}))
-    assert build_key(cfg)["checkpoint_sha256"] != before
+    after = stage_keys(cfg, plan)["export"]
+    assert after["parts"]["files"]["model.checkpoint"] != before["parts"]["files"]["model.checkpoint"]
+    assert after["digest"] != before["digest"]
 
 
 def test_artifact_from_a_checkpoint_matches_transformers(tmp_path):

@@ -28,9 +28,11 @@ def lowered():
     out = {}
     for name, overrides in LAYOUTS.items():
         cfg = compose_config(*overrides)
-        exported = export.run(cfg.model, cfg.draft, cfg.kv, {}, None)
+        exported = export.run(cfg.model, cfg.draft, {}, None)
         layout = build_layout(cfg.kv, exported["model"].args)
-        ep, spec = exported["exported"]["target_forward_from_embeddings"]
+        ep = exported["exported"]["target_forward_from_embeddings"]
+        spec = export.method_inputs(exported["model"].args, {"target": layout.step_width}, cfg.kv.max_seqs)[
+            "target_forward_from_embeddings"]
         out[name] = (exported["model"], layout, ep, lower_offgraph_kv(ep, layout, spec))
     return out
 

@@ -27,7 +27,7 @@ STAGES = {
     s.name: s
     for s in (
         Stage("export_vision", ("vision", "model"), (), ("vision", "vision_exported", "vision_section")),
-        Stage("export", ("model", "draft", "kv"), (), ("model", "draft", "exported", "tokenizer")),
+        Stage("export", ("model", "draft"), (), ("model", "draft", "exported", "tokenizer")),
         Stage("lower_kv", ("model", "kv", "backend"), ("model", "draft", "exported"), ("layouts", "lowered", "kv_sections")),
         Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer"), ("program", "manifest"),
               optional=("vision_exported", "vision_section")),

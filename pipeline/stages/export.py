@@ -1,7 +1,7 @@
 """export: the eager models and their methods, traced with the neutral KV op.
 
 gives: model (the target: the eager oracle and its args), draft (the eager DFlash draft, or None),
-       exported ({method: (ExportedProgram, MethodInputs)}),
+       exported ({method: ExportedProgram}),
        tokenizer (the checkpoint's, saved as tokenizer/; None without a checkpoint)
 
 Methods (Muse Glimmer's names): ``embed_text``; ``target_forward_from_embeddings``, one step of any
@@ -10,6 +10,11 @@ features); with a draft, ``draft_forward`` (context rows and blocks of every seq
 A separate prefill method (Muse Glimmer's ``target_prefill_from_embeddings`` / ``draft_prefill``)
 would be the same graph at another width compiled twice: the compile stage's time and memory double
 for no speed (measured for the target in docs/benchmarks.md), so the one method takes both.
+
+The export does not depend on the KV layout: its token axes are traced over ``EXPORT_WIDTH`` (a
+symbolic bound only), and lower_kv exports each method again with the bounds of the layout it
+lowers to (``method_inputs``). So one export serves every ``kv.*`` of a sweep (the stage cache's key
+for export holds no ``kv`` section).
 """
 
 from pathlib import Path
@@ -18,7 +23,6 @@ import torch
 from torch.export import Dim
 
 from pipeline.config import DraftConfig, ModelConfig
-from pipeline.kv.layouts import model_layouts
 from pipeline.kv.manifest import DRAFT_STEP, EMBED, TARGET_STEP
 from pipeline.models.args import DraftArgs, ModelArgs, draft_args, model_args
 from pipeline.models.families import family
@@ -26,6 +30,8 @@ from pipeline.models.loaders import load_into
 from pipeline.models.tokenizer import save_tokenizer
 from pipeline.models.transformer import EmbedText, TargetForward, build_model
 from pipeline.passes.lower_offgraph_kv import MethodInputs
+
+EXPORT_WIDTH = 64  # the traced token axes' upper bound: any width > 1 traces the same graph
 
 
 def _dim(name: str, upper: int):
@@ -85,24 +91,26 @@ def build_draft_model(draft_cfg: DraftConfig, target_args: ModelArgs):
     return draft
 
 
-def run(model_cfg: ModelConfig, draft_cfg: DraftConfig, kv_cfg, inputs: dict, workdir) -> dict:
+def export_inputs(args: ModelArgs, dtype=torch.float32, draft: DraftArgs | None = None) -> dict[str, MethodInputs]:
+    """``method_inputs`` of no layout: every token axis dynamic up to ``EXPORT_WIDTH``."""
+    return method_inputs(args, {"target": EXPORT_WIDTH, "draft": EXPORT_WIDTH}, EXPORT_WIDTH, dtype, draft)
+
+
+def run(model_cfg: ModelConfig, draft_cfg: DraftConfig, inputs: dict, workdir) -> dict:
     dtype = getattr(torch, model_cfg.dtype)
     model, tokenizer = build_target(model_cfg, workdir)
     model = model.to(dtype)
     draft = build_draft_model(draft_cfg, model.args)
     draft = draft.to(dtype) if draft is not None else None
-    layouts = model_layouts(kv_cfg, model.args, model_cfg.causal, draft.args if draft else None)
     views = {EMBED: EmbedText(model),
              TARGET_STEP: TargetForward(model, draft.args.target_layer_ids if draft else ())}
     if draft is not None:
         from pipeline.models.dflash import DraftForward
 
         views[DRAFT_STEP] = DraftForward(model, draft)
-    widths = {name: layout.step_width for name, layout in layouts.items()}
     exported = {}
-    for name, spec in method_inputs(model.args, widths, kv_cfg.max_seqs, dtype, draft.args if draft else None).items():
+    for name, spec in export_inputs(model.args, dtype, draft.args if draft else None).items():
         print(f"  export {name}", flush=True)
         with torch.no_grad():
-            ep = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
-        exported[name] = (ep, spec)
+            exported[name] = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
     return {"model": model, "draft": draft, "exported": exported, "tokenizer": tokenizer}
