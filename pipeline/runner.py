@@ -298,15 +298,15 @@ def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list
 
 
 def _loader(stage: str, entry, work: Path):
-    def load() -> dict:
-        print(f"      loading {stage}'s result from the cache", flush=True)
-        return entry.load_outputs(work)
+    def load(name: str):
+        print(f"      loading {stage}'s {name} from the cache", flush=True)
+        return entry.load_output(name, work)
 
     return load
 
 
 @contextlib.contextmanager
-def _heartbeat(name: str, every: float = 60.0):
+def _heartbeat(name: str, every: float = 15.0):
     """A line every ``every`` seconds while a stage runs: a real model's compile takes minutes
     inside ExecuTorch with nothing else to say."""
     stop, start = threading.Event(), time.perf_counter()

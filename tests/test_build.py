@@ -183,23 +183,6 @@ def test_live_build_is_not_debris(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sweep_jobs_get_their_own_directories(tmp_path):
-    """-m: one experiment directory per job, named from its overrides; Hydra's bookkeeping under
-    output_root, nothing in the working directory."""
-    proc = _pipeline("-m", f"output_root={tmp_path / 'out'}", "backend=portable", "model=tiny_flat",
-                     "stages=[export,lower_kv]", "kv.max_seqs=1,2", cwd=tmp_path)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    jobs = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").glob("default/*/v0001"))
-    assert jobs == ["default/backend=portable,kv.max_seqs=1,model=tiny_flat,stages=[export,lower_kv]/v0001",
-                    "default/backend=portable,kv.max_seqs=2,model=tiny_flat,stages=[export,lower_kv]/v0001"]
-    for job, max_seqs in zip(jobs, (1, 2), strict=True):
-        config = (tmp_path / "out" / job / ".hydra" / "config.yaml").read_text()
-        assert f"max_seqs: {max_seqs}" in config
-    assert len(list((tmp_path / "out" / "multirun").glob("*/multirun.yaml"))) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-
-
 def test_long_stage_shows_signs_of_life(capsys):
     import time
 

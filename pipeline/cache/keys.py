@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 SRC = Path(__file__).resolve().parent.parent  # the pipeline package
-FORMAT = 1  # of entries; a change of how entries are written changes every key
+FORMAT = 2  # of entries; a change of how entries are written changes every key
 TOOLS = ("torch", "executorch", "triton")
 
 

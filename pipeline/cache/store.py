@@ -65,13 +65,13 @@ class Entry:
         for rel, path in _tree(self.path / "files").items():
             link(path, workdir / rel)
 
-    def load_outputs(self, workdir: Path) -> dict:
-        """The stage's in-memory results, the exported programs loaded with ``torch.export.load``
-        and paths pointing into ``workdir``."""
+    def load_output(self, name: str, workdir: Path):
+        """One of the stage's in-memory results (``outputs/<name>.pt``), its exported programs loaded
+        with ``torch.export.load`` and its paths pointing into ``workdir``."""
         import torch
 
         _register_ops()
-        encoded = torch.load(self.path / "outputs" / "outputs.pt", weights_only=False)
+        encoded = torch.load(self.path / "outputs" / f"{name}.pt", weights_only=False)
         return _decode(encoded, self.path / "outputs", workdir)
 
 
@@ -172,7 +172,8 @@ class Cache:
         (tmp / "outputs").mkdir(parents=True)
         for rel in new_files:
             link(workdir / rel, tmp / "files" / rel)
-        torch.save(_encode(outputs, tmp / "outputs", workdir, "outputs"), tmp / "outputs" / "outputs.pt")
+        for name, value in outputs.items():  # one file per artifact: a later stage loads only those it takes
+            torch.save(_encode(value, tmp / "outputs", workdir, name), tmp / "outputs" / f"{name}.pt")
         files = {rel: {"sha256": _sha256(p), "bytes": p.stat().st_size} for rel, p in _tree(tmp).items()}
         record = {"stage": stage, "key": key["parts"], "files": files, "facts": facts, "seconds": round(seconds, 3),
                   "created": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -202,25 +203,23 @@ class Cache:
 
 
 class LazyArtifacts(Mapping):
-    """The artifacts of a build by name: those of stages that ran, and those of cached stages,
-    loaded from their entry the first time a later stage asks for one."""
+    """The artifacts of a build by name: those of stages that ran, and those of cached stages, each
+    loaded from its entry the first time a later stage asks for it."""
 
     def __init__(self):
         self.values: dict = {}
-        self.pending: dict[str, object] = {}  # artifact name -> a loader of its stage's outputs
+        self.pending: dict[str, object] = {}  # artifact name -> a loader of it
 
     def add(self, outputs: dict) -> None:
         self.values |= outputs
 
     def add_lazy(self, names: tuple[str, ...], loader) -> None:
+        """``loader(name)`` gives the artifact ``name``."""
         self.pending |= {name: loader for name in names}
 
     def __getitem__(self, name: str):
         if name not in self.values and name in self.pending:
-            loader = self.pending[name]
-            outputs = loader()
-            self.pending = {n: f for n, f in self.pending.items() if f is not loader}
-            self.values |= outputs
+            self.values[name] = self.pending.pop(name)(name)
         return self.values[name]
 
     def __iter__(self):
@@ -230,18 +229,8 @@ class LazyArtifacts(Mapping):
         return len(self.values.keys() | self.pending.keys())
 
     def view(self, names: tuple[str, ...]) -> "LazyArtifacts":
-        """The artifacts ``names`` among these, loaded on first use still."""
+        """The artifacts ``names`` among these, loaded on first use still (once, for every view)."""
         out = LazyArtifacts()
         out.values = {n: v for n, v in self.values.items() if n in names}
-        out.pending = {n: _Shared(self, n) for n in names if n in self.pending}
+        out.pending = {n: self.__getitem__ for n in names if n in self.pending}
         return out
-
-
-class _Shared:
-    """A view's loader: the artifact from the parent, loaded there once for every view."""
-
-    def __init__(self, parent: LazyArtifacts, name: str):
-        self.parent, self.name = parent, name
-
-    def __call__(self) -> dict:
-        return {self.name: self.parent[self.name]}

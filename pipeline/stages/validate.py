@@ -26,6 +26,7 @@ from pipeline.backends import backend
 from pipeline.errors import BuildError
 from pipeline.feasibility import episode_sequences
 from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.progress import Progress
 from pipeline.runtime.session import Session
 
 
@@ -164,55 +165,59 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
         stats["speculative_rounds"] = 0
     taps = tuple(draft.args.target_layer_ids) if draft is not None else ()
     budget = session.max_step_tokens
-    while waiting or live:
-        while waiting and len(live) < session.max_seqs:
-            script = waiting.pop(0)
-            script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
-            if draft is not None:
-                script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
-            session.add(script.seq_id)
-            if script.image is not None:
-                _encode_image(session, model, vision, script, metric)
-            live.append(script)
-        stats["max_live"] = max(stats["max_live"], len(live))
-        by_id = {s.seq_id: s for s in live}
-        feeds, room = {}, budget
-        decoding = [s for s in live if s.fed == len(s.prompt)]
-        if draft is not None and decoding:  # every decoding sequence speculates, in one round
-            rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
-            _speculative_round(model, draft, rounds, by_id, metric)
-            stats["speculative_rounds"] += 1
-            stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
+    total = sum(len(s.prompt) + s.decode_steps for s in scripts)
+    with Progress(total, "episode", "tokens") as progress:
+        while waiting or live:
+            progress.update(sum(s.fed + min(s.decoded, s.decode_steps) for s in scripts) - progress.done)
+            while waiting and len(live) < session.max_seqs:
+                script = waiting.pop(0)
+                script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
+                if draft is not None:
+                    script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
+                session.add(script.seq_id)
+                if script.image is not None:
+                    _encode_image(session, model, vision, script, metric)
+                live.append(script)
+            stats["max_live"] = max(stats["max_live"], len(live))
+            by_id = {s.seq_id: s for s in live}
+            feeds, room = {}, budget
+            decoding = [s for s in live if s.fed == len(s.prompt)]
+            if draft is not None and decoding:  # every decoding sequence speculates, in one round
+                rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
+                _speculative_round(model, draft, rounds, by_id, metric)
+                stats["speculative_rounds"] += 1
+                stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
+                _finish(session, live)
+                decoding = []
+                if not any(s.fed < len(s.prompt) for s in live):
+                    continue
+            for s in decoding:  # decodes first, one token each
+                feeds[s.seq_id] = [s.next_token]
+                room -= 1
+            prefilling = 0
+            for s in live:  # then prefill chunks fill the rest of the step
+                if s.fed < len(s.prompt) and room > 0:
+                    feeds[s.seq_id] = s.prompt[s.fed: s.fed + room]
+                    room -= len(feeds[s.seq_id])
+                    prefilling += 1
+            logits = session.step(feeds)
+            stats["steps"] += 1
+            stats["mixed_steps"] += bool(decoding) and prefilling > 0
+            stats["decode_steps"] += not prefilling
+            stats["tokens"] += sum(len(t) for t in feeds.values())
+            for seq_id, toks in feeds.items():
+                s = by_id[seq_id]
+                want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
+                s.errors.append(relative_error(logits[seq_id], want, metric))
+                if s.fed < len(s.prompt):
+                    s.fed += len(toks)
+                else:
+                    s.decoded += 1
+                s.next_token = int(logits[seq_id].argmax())
+                if s.fed == len(s.prompt):
+                    s.generated.append(s.next_token)
             _finish(session, live)
-            decoding = []
-            if not any(s.fed < len(s.prompt) for s in live):
-                continue
-        for s in decoding:  # decodes first, one token each
-            feeds[s.seq_id] = [s.next_token]
-            room -= 1
-        prefilling = 0
-        for s in live:  # then prefill chunks fill the rest of the step
-            if s.fed < len(s.prompt) and room > 0:
-                feeds[s.seq_id] = s.prompt[s.fed: s.fed + room]
-                room -= len(feeds[s.seq_id])
-                prefilling += 1
-        logits = session.step(feeds)
-        stats["steps"] += 1
-        stats["mixed_steps"] += bool(decoding) and prefilling > 0
-        stats["decode_steps"] += not prefilling
-        stats["tokens"] += sum(len(t) for t in feeds.values())
-        for seq_id, toks in feeds.items():
-            s = by_id[seq_id]
-            want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
-            s.errors.append(relative_error(logits[seq_id], want, metric))
-            if s.fed < len(s.prompt):
-                s.fed += len(toks)
-            else:
-                s.decoded += 1
-            s.next_token = int(logits[seq_id].argmax())
-            if s.fed == len(s.prompt):
-                s.generated.append(s.next_token)
-        _finish(session, live)
+        progress.update(total - progress.done)
     return stats
 
 
@@ -237,7 +242,7 @@ def backend_graphs(sections: dict) -> dict:
     vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
     # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
     vision = export_vision.run(vision_cfg, model_cfg, {}, None)
-    exported = export.run(model_cfg, draft_cfg, kv_cfg, {}, None)
+    exported = export.run(model_cfg, draft_cfg, {}, None)
     lowered = lower_kv.run(model_cfg, kv_cfg, backend_cfg, exported, None)
     return backend(backend_cfg.name).programs(lowered["lowered"] | vision["vision_exported"])
 
