@@ -21,15 +21,17 @@ def compose_config(*overrides: str):
 
 @pytest.fixture(scope="session")
 def build_dir(tmp_path_factory):
-    """Build a config once per test session; returns the version directory."""
+    """Build a config once per test session, each in its own output root, all through one stage cache;
+    returns the version directory."""
     from pipeline.runner import build
 
     built = {}
+    cache = tmp_path_factory.mktemp("stage_cache")  # one stage cache: configs of one model share its export
 
     def _build(*overrides: str) -> Path:
         if overrides not in built:
             root = tmp_path_factory.mktemp("outputs")
-            built[overrides] = build(compose_config(f"output_root={root}", *overrides))
+            built[overrides] = build(compose_config(f"output_root={root}", f"cache_dir={cache}", *overrides))
         return built[overrides]
 
     return _build

@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -67,16 +66,17 @@ def test_failed_build_leaves_no_version(tmp_path, monkeypatch):
     import pytest
 
     from conftest import compose_config
-    from pipeline.stages import validate
+    from pipeline.stages import lower_kv, validate
 
     def broken(*args, **kwargs):
         raise validate.ValidationFailed("validation failed: forced")
 
-    monkeypatch.setattr(validate, "run", broken)
+    monkeypatch.setattr(lower_kv, "run", broken)  # a stage after the first fails: any stage is the same
     with pytest.raises(validate.ValidationFailed):
         build(compose_config(f"output_root={tmp_path}", "backend=portable", "model=tiny_flat"))
     exp = tmp_path / "default"
     assert [p.name for p in exp.iterdir()] == [".failed"]
+    assert [p for p in (tmp_path / ".cache" / "lower_kv").iterdir() if p.is_dir()] == []  # no entry of the failed stage
 
 
 def _episode(version):
@@ -159,17 +159,6 @@ def test_ring_only_model_past_capacity(build_dir):
     assert report["passed"] and max(s["prompt_tokens"] + s["decoded"] for s in report["scenario"]["sequences"]) > 20
 
 
-def _pipeline(*args, cwd, **kwargs):
-    import os
-    import subprocess
-    import sys
-
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": root}
-    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
-
-
 def test_live_build_is_not_debris(tmp_path):
     """A build in progress holds its lock: another build in the same directory leaves it alone."""
     from pipeline.versions import WorkDir, remove_debris
@@ -225,20 +214,19 @@ def test_dry_run_plans_from_the_config_alone(tmp_path, build_dir, capsys):
 
 
 def test_rebuild_from_the_recorded_config_is_byte_identical(tmp_path):
-    """rebuild=<version>: the config the version records builds the next version, and its build.json
-    says whether the program's bytes are the same; an original whose recorded hash differs is seen."""
+    """rebuild=<version>: the config the version records builds the next version, every stage anew,
+    and its build.json says whether the program's bytes are the same; a differing hash is seen."""
+    from pipeline.plan import compare_programs
     from pipeline.runner import rebuild
 
     first = build(compose_config(f"output_root={tmp_path}", "model=tiny_flat", "backend=portable",
                                  "stages=[export,lower_kv,compile]"))
     second = rebuild(first)
     assert second.name == "v0002" and second.parent == first.parent
-    result = json.loads((second / "build.json").read_text())["reproduction"]
-    assert result == {"of": str(first), "artifacts": {"model.pte": "identical"}, "identical": True}
-    record = json.loads((first / "build.json").read_text())
+    record = json.loads((second / "build.json").read_text())
+    assert record["reproduction"] == {"of": str(first), "artifacts": {"model.pte": "identical"}, "identical": True}
+    assert {e["from"] for e in record["stage_entries"].values()} == {"built"}  # not from the cache
     record["artifacts"]["model.pte"]["sha256"] = "0" * 64
-    (first / "build.json").write_text(json.dumps(record))
-    third = rebuild(first)
-    assert json.loads((third / "build.json").read_text())["reproduction"]["identical"] is False
+    assert compare_programs(first, record) == {"of": str(first), "artifacts": {"model.pte": "differs"}, "identical": False}
     proc = subprocess.run([sys.executable, "-m", "pipeline", f"rebuild={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "is not a version directory" in proc.stderr

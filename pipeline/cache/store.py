@@ -3,7 +3,6 @@
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -13,13 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+from pipeline.versions import sha256_file
 
 
 def _tree(root: Path) -> dict[str, Path]:
@@ -57,7 +50,7 @@ class Entry:
                 raise DamagedEntry(f"{rel} is missing")
             if path.stat().st_size != want["bytes"]:
                 raise DamagedEntry(f"{rel} is {path.stat().st_size} bytes, recorded {want['bytes']}")
-            if _sha256(path) != want["sha256"]:
+            if sha256_file(path) != want["sha256"]:
                 raise DamagedEntry(f"{rel}'s sha256 differs from the recorded one")
 
     def link_files(self, workdir: Path) -> None:
@@ -174,7 +167,7 @@ class Cache:
             link(workdir / rel, tmp / "files" / rel)
         for name, value in outputs.items():  # one file per artifact: a later stage loads only those it takes
             torch.save(_encode(value, tmp / "outputs", workdir, name), tmp / "outputs" / f"{name}.pt")
-        files = {rel: {"sha256": _sha256(p), "bytes": p.stat().st_size} for rel, p in _tree(tmp).items()}
+        files = {rel: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for rel, p in _tree(tmp).items()}
         record = {"stage": stage, "key": key["parts"], "files": files, "facts": facts, "seconds": round(seconds, 3),
                   "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (tmp / "entry.json").write_text(json.dumps(record, indent=1) + "\n")

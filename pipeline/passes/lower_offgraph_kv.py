@@ -51,6 +51,15 @@ class MethodInputs:
     positions_arg: int = 1  # which argument is the step's positions [T]
 
 
+def unlifted(ep: ExportedProgram) -> fx.GraphModule:
+    """``ep`` as a module to export again, without its export-time input guards (the export's token
+    bounds): the new export sets its own. (torch < 2.9 puts no guards in the module and has no flag.)"""
+    try:
+        return ep.module(check_guards=False)
+    except TypeError:
+        return ep.module()
+
+
 def count_neutral(ep: ExportedProgram) -> int:
     return sum(1 for n in ep.graph.nodes if n.op == "call_function" and n.target == NEUTRAL_OP)
 
@@ -71,11 +80,11 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
     kernel = kernel or {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen.default}
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
-    unlifted = ep.module()
+    module = unlifted(ep)
     graph = fx.Graph()
-    env = graph.graph_copy(unlifted.graph, {})  # plain positional code, no pytree input guard
+    env = graph.graph_copy(module.graph, {})  # plain positional code, no pytree input guard
     graph.output(env[0] if isinstance(env, (tuple, list)) and len(env) == 1 else env)  # a single output stays single
-    gm = fx.GraphModule(unlifted, graph)
+    gm = fx.GraphModule(module, graph)
     stores = nn.Module()
     prefix = store_module(inputs.model)
     gm.add_module(prefix, stores)

@@ -11,7 +11,7 @@ import torch
 from pipeline.backends import backend
 from pipeline.kv.layouts import model_layouts
 from pipeline.kv.manifest import kv_section
-from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
+from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv, unlifted
 from pipeline.stages.export import method_inputs
 
 
@@ -26,7 +26,7 @@ def run(model_cfg, kv_cfg, backend_cfg, inputs: dict, workdir) -> dict:
         spec = specs[name]
         if count_neutral(ep) == 0:  # embed_text reads no cache: only the layout's bounds
             with torch.no_grad():
-                lowered[name] = torch.export.export(ep.module(), spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
+                lowered[name] = torch.export.export(unlifted(ep), spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
             continue
         layout = layouts[spec.model]
         print(f"  lower {name}: {count_neutral(ep)} update_and_attend -> {spec.model} {layout.layout} store + attention",
