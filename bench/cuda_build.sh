@@ -2,7 +2,8 @@
 # One device call on a CUDA GPU: build and validate the CUDA artifacts (batched-sequence and cell),
 # the experiments side by side, collecting logs, manifests, validation reports and build records under $OUT.
 #   bash bench/cuda_build.sh [experiment ...]     (default: cuda_batched8 cuda_cell4)
-# Needs the carried wheels in .whl/ (executorch 1.5.1, hydra-core, omegaconf, antlr4, ...): README "GPU".
+# Needs the carried wheels in .whl/ (executorch 1.5.1, hydra-core, omegaconf, antlr4, hydra-joblib-launcher
+# and joblib: the config names the sweep launcher, filelock: the stage cache, ...): README "GPU".
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda_build_out}; mkdir -p "$OUT"
 if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # SKIP_WHEELS=1: already on PYTHONPATH
