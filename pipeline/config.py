@@ -1,6 +1,7 @@
 """Config schemas, registered in Hydra's ConfigStore. Values live in conf/*.yaml."""
 
 import dataclasses
+import enum
 import typing
 from dataclasses import dataclass, field
 
@@ -10,14 +11,33 @@ from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 from pipeline.errors import ConfigError
 from pipeline.models.args import ModelArgs, VisionArgs
 
-# Closed sets of the schema's string settings, each defined once.
-DTYPES = ("float32", "bfloat16", "float16")
+
+# Closed sets of the schema's string settings, each defined once, as typed enums: a value outside
+# the set is refused when the override is parsed (check_setting) or the config composed, before any
+# import of torch. Members are strings (StrEnum): they compare, format and serialise as their values.
+class DType(enum.StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Metric(enum.StrEnum):
+    range = "range"  # max |got - oracle| / oracle logit range
+    norm = "norm"  # ||got - oracle|| / ||oracle||
+
+
+class GpuRuntime(enum.StrEnum):
+    inductor = "inductor"
+    aoti = "aoti"
+
+
+DTYPES = tuple(DType)
+METRICS = tuple(Metric)
 # validate.runtime (backend=cuda) -> how the GPU runs the methods (validation.json says it)
 GPU_RUNTIMES = {
-    "inductor": "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)",
-    "aoti": "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
+    GpuRuntime.inductor: "compiled with torch.compile (Inductor, C++ wrapper, the same Triton kernels)",
+    GpuRuntime.aoti: "packaged with torch._inductor.aoti_compile_and_package and run by AOTInductor's runtime",
 }
-METRICS = ("range", "norm")
 
 
 @dataclass
@@ -28,7 +48,7 @@ class ModelConfig(ModelArgs):
     # implies (widths, heads, layers, ...) replace the preset's; a contradicting override is an error
     checkpoint: str | None = None
     seed: int = 0  # weights are random-initialised from this seed: no downloads
-    dtype: str = "float32"  # compute dtype of the exported program: float32 | bfloat16 | float16
+    dtype: DType = DType.float32  # compute dtype of the exported program: float32 | bfloat16 | float16
     causal: bool = True  # the target's attention rule (a draft is non-causal whatever this says)
 
 
@@ -76,7 +96,7 @@ class KVConfig:
     max_seqs: int = 1  # sequences one artifact serves; 1 = solo
     capacity: int = 128  # sequence: context per sequence; cell: cells in the shared pool
     max_step_tokens: int = 16  # widest step (prefill chunk) a method accepts
-    dtype: str = "float32"
+    dtype: DType = DType.float32  # of the KV stores
 
 
 @dataclass
@@ -86,7 +106,7 @@ class BackendConfig:
 
 @dataclass
 class ValidateConfig:
-    metric: str = "range"  # range: max|got - oracle| / oracle logit range; norm: ||got - oracle|| / ||oracle||
+    metric: Metric = Metric.range  # range: max|got - oracle| / oracle logit range; norm: ||got - oracle|| / ||oracle||
     tolerance: float = 1e-4  # bound on the metric, over every step of every sequence
     prompt_lengths: list[int] = field(default_factory=lambda: [37, 9, 23, 50, 5])  # random token prompts
     # an artifact with a tokenizer (built from a checkpoint) is driven with these instead, cycled;
@@ -99,7 +119,7 @@ class ValidateConfig:
     # backend=cuda: how the GPU runs the lowered graphs (pipeline/runtime/aoti.py). inductor: torch.compile
     # with Inductor's C++ wrapper; aoti: AOTInductor packages, as the CudaBackend builds them (their loader
     # segfaults on the lent H200, torch 2.11 / CUDA 13)
-    runtime: str = "inductor"
+    runtime: GpuRuntime = GpuRuntime.inductor
 
 
 @dataclass
@@ -170,6 +190,8 @@ def unknown_settings(cfg: DictConfig, schema=SCHEMA, prefix: str = "") -> list[s
 
 
 def _expected(field_type) -> str:
+    if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
+        return f"one of {', '.join(m.value for m in field_type)}"
     names = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string"}
     plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
     if typing.get_origin(field_type) in (list, tuple):

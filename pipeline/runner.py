@@ -34,7 +34,7 @@ def check_config(cfg: DictConfig) -> list:
     unless backend=cuda asks whether there is a GPU): the stage order, unknown settings, closed sets,
     the model's shapes, the KV layout, the validation episode against it and the build's memory."""
     from pipeline.backends import backend
-    from pipeline.config import DTYPES, GPU_RUNTIMES, METRICS, unknown_settings
+    from pipeline.config import unknown_settings
     from pipeline.feasibility import check_draft, check_episode, check_memory, check_model, check_vision
     from pipeline.kv.layouts import model_layouts
     from pipeline.models.args import draft_args, model_args
@@ -45,13 +45,7 @@ def check_config(cfg: DictConfig) -> list:
     plan = check_order(list(cfg.stages))
     stages = {s.name for s in plan}
     family(cfg.model.family)
-    if cfg.model.dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={cfg.model.dtype} is not a supported dtype; choose one of {', '.join(DTYPES)}")
-    target = backend(cfg.backend.name)
-    if cfg.validate.metric not in METRICS:
-        raise ConfigError(f"validate.metric={cfg.validate.metric} is not a metric; choose {' or '.join(METRICS)}")
-    if cfg.validate.runtime not in GPU_RUNTIMES:
-        raise ConfigError(f"validate.runtime={cfg.validate.runtime} is not a GPU runtime; choose {' or '.join(GPU_RUNTIMES)}")
+    target = backend(cfg.backend.name)  # model.dtype, kv.dtype, validate.metric and .runtime: the schema's enums
     if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
     args = model_args(cfg.model)

@@ -200,13 +200,14 @@ def test_dry_run_plans_from_the_config_alone(tmp_path, build_dir, capsys):
     assert "vision smolvlm_tiny" in proc.stdout and "build peak memory: an estimated" in proc.stdout
     assert list(tmp_path.iterdir()) == []
     version = build_dir()  # the default build, in its own output_root
+    record = json.loads((version / "build.json").read_text())
+    where = (f"output_root={version.parent.parent}", f"cache_dir={record['cache_dir']}")
     capsys.readouterr()
-    assert build(compose_config(f"output_root={version.parent.parent}", "dry_run=true")) is None
+    assert build(compose_config(*where, "dry_run=true")) is None
     out = capsys.readouterr().out
     assert re.findall(r"\[\d/5\] (\w+): cached", out) == ["export_vision", "export", "lower_kv", "compile", "validate"]
-    record = json.loads((version / "build.json").read_text())
     assert f"causal: {record['kv_bytes_total']} bytes" in out  # the dry run's KV bytes are the artifact's
-    assert build(compose_config(f"output_root={version.parent.parent}", "dry_run=true", "kv.max_seqs=2")) is None
+    assert build(compose_config(*where, "dry_run=true", "kv.max_seqs=2")) is None
     assert "[3/5] lower_kv: would build: changed since v0001: kv.max_seqs 1 -> 2" in capsys.readouterr().out
     refused = subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path}", "kv.max_seqs=1000000", "dry_run=true"],
                              capture_output=True, text=True, timeout=120)

@@ -62,7 +62,9 @@ BAD_INPUT = [
     (["backend=cuda"], ["backend=cuda needs a CUDA GPU", "stages=[export,lower_kv]"]),
     (["backend=tpu"], ["backend=tpu", "cuda, portable, xnnpack"]),
     (["kv.dtype=int3"], ["kv.dtype=int3", "bfloat16"]),
-    (["validate.runtime=tensorrt"], ["validate.runtime=tensorrt", "inductor or aoti"]),
+    (["validate.runtime=tensorrt"], ["validate.runtime=tensorrt", "one of inductor, aoti"]),
+    (["model.dtype=int7"], ["model.dtype=int7 is not one of float32, bfloat16, float16"]),
+    (["validate.metric=l2"], ["validate.metric=l2 is not one of range, norm"]),
     # issue 10: what used to build for minutes, exhaust the machine or print Hydra's pages
     (["kv.max_seqs=1000000"], ["kv.max_seqs=1000000", "GB", "over the budget", "this machine's memory"]),
     (["memory_budget_gb=0.01"], ["estimated", "memory_budget_gb=0.01"]),
