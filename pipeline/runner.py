@@ -1,6 +1,6 @@
 """The runner: checks the config, runs each stage or takes it from the stage cache, and records the build.
 
-Each stage's result is looked up in the stage cache (``pipeline/cache.py``) under a key of what
+Each stage's result is looked up in the stage cache (``pipeline/cache/``) under a key of what
 decides it; a stage whose key is there is not run, and the run says per stage ``cached`` or
 ``building`` and why (what changed since the experiment's last version). The version directory
 (``pipeline/versions.py``) gets the entries' files, linked, and ``build.json``; a version built from
@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.cache import Cache, LazyArtifacts, changes, stage_keys, tool_versions
+from pipeline.cache.store import files_under
 from pipeline.errors import ConfigError
 from pipeline.plan import compare_programs, print_plan, rebuild  # noqa: F401  (rebuild: the CLI's)
 from pipeline.stages import check_order
@@ -247,13 +248,12 @@ def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list
             else:
                 print(f"[{i}/{len(plan)}] {stage.name}: building ({_why_build(stage.name, key, previous, forced, damaged)})",
                       flush=True)
-                before = {p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file()}
+                before = set(files_under(work))
                 with _heartbeat(stage.name):
                     outputs = stage.load()(*(cfg[s] for s in stage.sections),
                                            artifacts.view((*stage.needs, *stage.optional)), work)
                 seconds = time.perf_counter() - start
-                new_files = sorted(p.relative_to(work).as_posix() for p in work.rglob("*")
-                                   if p.is_file() and p.relative_to(work).as_posix() not in before)
+                new_files = sorted(set(files_under(work)) - before)  # what the stage wrote
                 entry = cache.store(stage.name, key, work, new_files, outputs, _facts(outputs), seconds)
                 artifacts.add(outputs)
                 how = "built"

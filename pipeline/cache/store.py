@@ -15,7 +15,8 @@ from pathlib import Path
 from pipeline.versions import sha256_file
 
 
-def _tree(root: Path) -> dict[str, Path]:
+def files_under(root: Path) -> dict[str, Path]:
+    """Every file under ``root`` by its relative path."""
     return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {}
 
 
@@ -55,7 +56,7 @@ class Entry:
 
     def link_files(self, workdir: Path) -> None:
         """The stage's files into the version being built."""
-        for rel, path in _tree(self.path / "files").items():
+        for rel, path in files_under(self.path / "files").items():
             link(path, workdir / rel)
 
     def load_output(self, name: str, workdir: Path):
@@ -129,29 +130,35 @@ class Cache:
         finally:
             lock.release()
 
+    def _open(self, stage: str, key: str) -> Entry:
+        path = self.entry_path(stage, key)
+        try:
+            return Entry(path, json.loads((path / "entry.json").read_text()))
+        except (OSError, ValueError) as err:
+            raise DamagedEntry(f"entry.json is unreadable ({type(err).__name__})") from None
+
     def lookup(self, stage: str, key: str) -> tuple[Entry | None, str | None]:
-        """The verified entry, or None and why not ("no entry", or what is damaged: the damaged
-        entry is removed so that it is rebuilt). Call under ``claim``."""
+        """The verified entry, or None and why not (None: there is none; else what is damaged: the
+        damaged entry is removed so that it is rebuilt). Call under ``claim``."""
         path = self.entry_path(stage, key)
         if not path.is_dir():
             return None, None
         try:
-            entry = Entry(path, json.loads((path / "entry.json").read_text()))
+            entry = self._open(stage, key)
             entry.verify()
             return entry, None
-        except (OSError, ValueError, KeyError, DamagedEntry) as err:
-            why = str(err) if isinstance(err, DamagedEntry) else f"entry.json is unreadable ({type(err).__name__})"
+        except (KeyError, DamagedEntry) as err:
             shutil.rmtree(path, ignore_errors=True)
-            return None, why
+            return None, str(err) if isinstance(err, DamagedEntry) else f"entry.json is incomplete ({err})"
 
     def peek(self, stage: str, key: str) -> Entry | None:
-        """The entry if it is there and whole, without a lock and without removing anything (the dry run)."""
-        path = self.entry_path(stage, key)
+        """The entry if its record is readable and its files have their recorded sizes: no lock, no
+        hashing (the dry run answers in a second; the build verifies the hashes before use)."""
         try:
-            entry = Entry(path, json.loads((path / "entry.json").read_text()))
-            entry.verify()
-            return entry
-        except (OSError, ValueError, KeyError, DamagedEntry):
+            entry = self._open(stage, key)
+            sizes = {rel: p.stat().st_size for rel, p in files_under(entry.path).items()}
+            return entry if all(sizes.get(rel) == f["bytes"] for rel, f in entry.record["files"].items()) else None
+        except (KeyError, DamagedEntry):
             return None
 
     def store(self, stage: str, key: dict, workdir: Path, new_files: list[str], outputs: dict, facts: dict,
@@ -167,7 +174,7 @@ class Cache:
             link(workdir / rel, tmp / "files" / rel)
         for name, value in outputs.items():  # one file per artifact: a later stage loads only those it takes
             torch.save(_encode(value, tmp / "outputs", workdir, name), tmp / "outputs" / f"{name}.pt")
-        files = {rel: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for rel, p in _tree(tmp).items()}
+        files = {rel: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for rel, p in files_under(tmp).items()}
         record = {"stage": stage, "key": key["parts"], "files": files, "facts": facts, "seconds": round(seconds, 3),
                   "created": time.strftime("%Y-%m-%d %H:%M:%S")}
         (tmp / "entry.json").write_text(json.dumps(record, indent=1) + "\n")
