@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from pipeline.errors import BuildError, ConfigError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("model", "draft", "vision", "kv", "backend", "experiment")
+GROUPS = ("model", "draft", "vision", "kv", "backend", "quant", "experiment")
 NULLABLE_GROUPS = ("experiment",)
 # Hydra's flags that take a value (the value is not an override)
 VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",

@@ -31,6 +31,13 @@ class GpuRuntime(enum.StrEnum):
     aoti = "aoti"
 
 
+class QuantScheme(enum.StrEnum):
+    none = "none"  # the weights in model.dtype
+    int8 = "int8"  # 8-bit weights per output channel, 8-bit dynamic activations (XNNPACK qc8w)
+    int4 = "int4"  # 4-bit weights in groups of quant.group_size, 8-bit dynamic activations (XNNPACK qb4w)
+    from_checkpoint = "from_checkpoint"  # a GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (pipeline/quant/gguf.py)
+
+
 DTYPES = tuple(DType)
 METRICS = tuple(Metric)
 # validate.runtime (backend=cuda) -> how the GPU runs the methods (validation.json says it)
@@ -100,6 +107,23 @@ class KVConfig:
 
 
 @dataclass
+class QuantConfig:
+    """Weight quantization of the target at build time (``pipeline/quant``); ``scheme: none``: none."""
+
+    scheme: QuantScheme = QuantScheme.none
+    # int4: input columns per weight scale, a multiple of 32 (XNNPACK's 4-bit groups) dividing every
+    # linear's input width; 0: one scale per output channel. int8 is per channel only (XNNPACK has no
+    # 8-bit groups), so 0 there
+    group_size: int = 32
+    embedding: bool = True  # the token embedding too (ExecuTorch's quantized embedding kernels)
+    # validation: the .pte against the eager model quantized the same way (the artifact's proof) ...
+    tolerance: float = 2e-2
+    # ... and against the unquantized eager model (the scheme's cost), teacher-forced on the .pte's tokens:
+    min_token_agreement: float = 0.7  # fraction of steps whose greedy token equals the unquantized model's
+    max_logit_error: float = 0.5  # max relative logit error (validate.metric) of any step
+
+
+@dataclass
 class BackendConfig:
     name: str = "xnnpack"  # xnnpack | portable | cuda
 
@@ -141,6 +165,7 @@ class BuildConfig:
     vision: VisionConfig = MISSING
     kv: KVConfig = MISSING
     backend: BackendConfig = MISSING
+    quant: QuantConfig = MISSING
     validate: ValidateConfig = field(default_factory=ValidateConfig)
 
 

@@ -40,6 +40,7 @@ def check_config(cfg: DictConfig) -> list:
     from pipeline.kv.layouts import model_layouts
     from pipeline.models.args import draft_args, model_args
     from pipeline.models.families import family
+    from pipeline.quant import check as check_quant
 
     if unknown := unknown_settings(cfg):
         raise ConfigError(unknown[0])
@@ -51,6 +52,7 @@ def check_config(cfg: DictConfig) -> list:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
     args = model_args(cfg.model)
     check_model(args)
+    check_quant(cfg.quant, args, cfg.model, cfg.backend.name, cfg.draft.name)
     draft = None
     if cfg.draft.name != "none":
         draft = draft_args(cfg.draft, args)
@@ -285,6 +287,8 @@ def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list
     record["models"] = models
     if kv_sections is not None:
         record["kv_bytes_total"] = sum(m.get("kv_bytes_total", 0) for m in models.values())  # vision has no KV
+    if quant := [f["quant"] for f in facts if "quant" in f]:
+        record["quant"] = quant[0]  # the scheme, the group size, every quantized tensor's error
     if passed := [f["validation_passed"] for f in facts if "validation_passed" in f]:
         record["validation_passed"] = passed[0]
     (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -330,10 +334,16 @@ def _facts(outputs: dict) -> dict:
         digest = hashlib.sha256()
         for tensor_name, tensor in sorted(outputs[key].state_dict().items()):
             digest.update(tensor_name.encode())
-            digest.update(tensor_bytes(tensor))
+            if hasattr(tensor, "__tensor_flatten__"):  # a quantized weight (torchao): its integers and scales
+                for inner in tensor.__tensor_flatten__()[0]:
+                    digest.update(tensor_bytes(getattr(tensor, inner)))
+            else:
+                digest.update(tensor_bytes(tensor))
         facts.setdefault("weights", {})[name] = digest.hexdigest()
     if "kv_sections" in outputs:
         facts["kv_sections"] = outputs["kv_sections"]
+    if "quant" in outputs:
+        facts["quant"] = outputs["quant"]
     if "validation" in outputs:
         facts["validation_passed"] = outputs["validation"]["passed"]
     return facts

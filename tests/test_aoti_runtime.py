@@ -25,7 +25,7 @@ def _recipe(cfg, **model_changes):
 def lowered(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("aoti")
     cfg = compose_config(*OVERRIDES)
-    exported = export.run(cfg.model, cfg.draft, {}, tmp)
+    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp)
     lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp)
     compile_stage.run(cfg.backend, {**exported, **lowered}, tmp)  # manifest.json for the session
     return cfg, exported["model"], backend("portable").programs(lowered["lowered"]), tmp

@@ -30,7 +30,7 @@ def pipeline_works() -> None:
     from pipeline.stages import export, lower_kv
 
     cfg = compose_config()
-    exported = export.run(cfg.model, cfg.draft, {}, None)
+    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, None)
     lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, None)
     model = exported["model"]
     with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():

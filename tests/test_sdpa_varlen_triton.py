@@ -356,7 +356,7 @@ def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
     monkeypatch.setattr(K, "MIN_CHUNK", 16)  # and splits even on short histories
     cfg = compose_config("kv=sequence", "kv.max_seqs=2", "kv.max_step_tokens=8", "backend=cuda",
                          "validate.prompt_lengths=[11,4,13]", "validate.decode_steps=12")
-    exported = export.run(cfg.model, cfg.draft, {}, tmp_path)
+    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp_path)
     lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp_path)
     kinds = {layer["kind"] for layer in lowered["kv_sections"]["target"]["layers"]}
     for name in ("target_forward_from_embeddings",):

@@ -17,7 +17,7 @@ def staged(tmp_path_factory):
     cfg = compose_config("backend=portable")
     work = tmp_path_factory.mktemp("stages")
     out = {"cfg": cfg, "work": work}
-    out["export"] = export.run(cfg.model, cfg.draft, {}, work)
+    out["export"] = export.run(cfg.model, cfg.draft, cfg.quant, {}, work)
     out["lower_kv"] = lower_kv.run(cfg.model, cfg.kv, cfg.backend, out["export"], work)
     out["compile"] = compile_stage.run(cfg.backend, {**out["export"], **out["lower_kv"]}, work)
     return out
@@ -87,7 +87,7 @@ def test_compile_leaves_the_lowered_programs_intact(tmp_path):
     """compile (XNNPACK) works on the lowered programs without copying their weights; the programs
     it was given keep every constant, unchanged."""
     cfg = compose_config("model=tiny_flat")  # the smallest model XNNPACK partitions
-    exported = export.run(cfg.model, cfg.draft, {}, tmp_path)
+    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp_path)
     lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp_path)
     ep = lowered["lowered"]["target_forward_from_embeddings"]
     before = {name: t.clone() for name, t in {**ep.state_dict, **ep.constants}.items()}

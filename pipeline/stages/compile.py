@@ -1,6 +1,6 @@
 """compile: ExecuTorch program from the lowered methods; writes model.pte (+ .ptd) and manifest.json.
 
-needs: lowered, kv_sections, tokenizer (and export_vision's vision_exported, vision_section)
+needs: lowered, kv_sections, tokenizer, quant (and export_vision's vision_exported, vision_section)
 gives: program (path of model.pte), manifest
 
 What differs by backend (the graphs it compiles, its partitioners, memory planning, data files) is
@@ -48,5 +48,6 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
                for name, ep in lowered.items()}
     tokenizer = inputs["tokenizer"] and inputs["tokenizer"].name
     doc = manifest(sections, backend.name, program.name, data_files, methods, tokenizer)
+    doc["quant"] = inputs["quant"]  # the weights' scheme, group size and per-tensor error (pipeline/quant)
     (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     return {"program": program, "manifest": doc}

@@ -1,8 +1,13 @@
 """export: the eager models and their methods, traced with the neutral KV op.
 
-gives: model (the target: the eager oracle and its args), draft (the eager DFlash draft, or None),
-       exported ({method: ExportedProgram}),
-       tokenizer (the checkpoint's, saved as tokenizer/; None without a checkpoint)
+gives: model (the target: the eager oracle and its args; quantized as ``quant`` says), draft (the eager
+       DFlash draft, or None), exported ({method: ExportedProgram}),
+       tokenizer (the checkpoint's, saved as tokenizer/; None without a checkpoint),
+       quant (the quantization's report: scheme, group size, every quantized tensor's error)
+
+With ``quant`` (``pipeline/quant``), the target's weights are quantized before it is traced, so the
+methods carry torchao's quantized linears (dequantize + dynamic activation quantization, which
+XNNPACK's quantized kernels take) and ExecuTorch's quantized embedding op.
 
 Methods (Muse Glimmer's names): ``embed_text``; ``target_forward_from_embeddings``, one step of any
 width (prefill chunks, decodes, verification of draft blocks; with a draft it also returns the tapped
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from pipeline.config import DraftConfig, ModelConfig
+from pipeline.config import DraftConfig, ModelConfig, QuantConfig
 from pipeline.kv.manifest import DRAFT_STEP, EMBED, TARGET_STEP
 from pipeline.models.args import DraftArgs, ModelArgs, draft_args, model_args
 from pipeline.models.families import family
@@ -96,10 +101,16 @@ def export_inputs(args: ModelArgs, dtype=torch.float32, draft: DraftArgs | None 
     return method_inputs(args, {"target": EXPORT_WIDTH, "draft": EXPORT_WIDTH}, EXPORT_WIDTH, dtype, draft)
 
 
-def run(model_cfg: ModelConfig, draft_cfg: DraftConfig, inputs: dict, workdir) -> dict:
+def run(model_cfg: ModelConfig, draft_cfg: DraftConfig, quant_cfg: QuantConfig, inputs: dict, workdir) -> dict:
+    from pipeline.quant import quantize
+
     dtype = getattr(torch, model_cfg.dtype)
     model, tokenizer = build_target(model_cfg, workdir)
     model = model.to(dtype)
+    report = quantize(model, quant_cfg, model_cfg)
+    if report["scheme"] != "none":
+        print(f"  quantized {len(report['tensors'])} tensors: {report['describe']} (max relative rms error "
+              f"{report['max_relative_rms_error']:.2e})", flush=True)
     draft = build_draft_model(draft_cfg, model.args)
     draft = draft.to(dtype) if draft is not None else None
     views = {EMBED: EmbedText(model),
@@ -113,4 +124,4 @@ def run(model_cfg: ModelConfig, draft_cfg: DraftConfig, inputs: dict, workdir) -
         print(f"  export {name}", flush=True)
         with torch.no_grad():
             exported[name] = torch.export.export(views[name], spec.args, dynamic_shapes=spec.dynamic_shapes, strict=False)
-    return {"model": model, "draft": draft, "exported": exported, "tokenizer": tokenizer}
+    return {"model": model, "draft": draft, "exported": exported, "tokenizer": tokenizer, "quant": report}

@@ -58,6 +58,13 @@ class _Script:
     image_features: torch.Tensor | None = None
     image_embedding: torch.Tensor | None = None  # the prompt's eager embeddings, the image spliced in
     vision_error: float | None = None
+    # a quantized artifact: the unquantized eager model on the same tokens (its own cache), each step's
+    # logit error against it and whether the greedy tokens agree; and whether the .pte's greedy token
+    # equals the quantized oracle's
+    float_cache: ReferenceCache | None = None
+    float_errors: list[float] = field(default_factory=list)
+    float_agree: list[bool] = field(default_factory=list)
+    oracle_agree: list[bool] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)  # the greedy tokens, the last one not fed
     text: str | None = None  # the prompt as text (artifacts with a tokenizer)
 
@@ -107,17 +114,20 @@ def _encode_image(session: Session, model, vision_model, s: _Script, metric: str
     s.image_embedding[0, rows] = want[: len(rows)]
 
 
-def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple, placeholder: int | None = None) -> torch.Tensor:
-    """The eager target on ``toks`` at ``start`` over the sequence's own cache: logits of every token
-    (and, with a draft, its tapped features appended to the script's). An image sequence's eager
-    features replace its placeholder tokens' embeddings."""
-    with reference_cache(s.cache), torch.no_grad():
+def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple, placeholder: int | None = None,
+                 cache: ReferenceCache | None = None) -> torch.Tensor:
+    """The eager target on ``toks`` at ``start`` over the sequence's own cache (or ``cache``: then the
+    image features are spliced but left for the next call): logits of every token (and, with a draft,
+    its tapped features appended to the script's). An image sequence's eager features replace its
+    placeholder tokens' embeddings."""
+    with reference_cache(cache or s.cache), torch.no_grad():
         emb = model.embed(torch.tensor(toks))
         if s.image_features is not None and len(s.image_features):
             rows = [i for i, t in enumerate(toks) if t == placeholder][: len(s.image_features)]
             emb = emb.clone()
             emb[0, rows] = s.image_features[: len(rows)]
-            s.image_features = s.image_features[len(rows):]
+            if cache is None:
+                s.image_features = s.image_features[len(rows):]
         hidden, features = model.hidden_and_taps(emb, torch.arange(start, start + len(toks)), taps)
         if taps:
             s.features = features if s.features is None else torch.cat([s.features, features])
@@ -154,10 +164,11 @@ def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> 
 
 
 def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range",
-                draft=None, vision=None) -> dict:
+                draft=None, vision=None, unquantized=None) -> dict:
     """The continuous-batching episode; with ``draft``, sequences past their prompt decode by
     speculative rounds (``Session.speculate``) while others prefill; with ``vision``, image sequences
-    have their image encoded once they join."""
+    have their image encoded once they join; with ``unquantized`` (a quantized artifact), each step is
+    also measured against that eager model on the same tokens."""
     placeholder = session.vision["image_token_id"] if session.vision else None
     waiting, live = list(scripts), []
     stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
@@ -172,6 +183,8 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             while waiting and len(live) < session.max_seqs:
                 script = waiting.pop(0)
                 script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
+                if unquantized is not None:
+                    script.float_cache = ReferenceCache(model.args.layer_kv(), causal=causal)
                 if draft is not None:
                     script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
                 session.add(script.seq_id)
@@ -207,8 +220,14 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             stats["tokens"] += sum(len(t) for t in feeds.values())
             for seq_id, toks in feeds.items():
                 s = by_id[seq_id]
+                got = logits[seq_id]
+                if unquantized is not None:  # first: the quantized oracle's call takes the image rows
+                    ref = _oracle_step(unquantized, s, toks, s.fed + s.decoded, (), placeholder, s.float_cache)[-1]
+                    s.float_errors.append(relative_error(got, ref, metric))
+                    s.float_agree.append(int(got.argmax()) == int(ref.argmax()))
                 want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
-                s.errors.append(relative_error(logits[seq_id], want, metric))
+                s.errors.append(relative_error(got, want, metric))
+                s.oracle_agree.append(int(got.argmax()) == int(want.argmax()))
                 if s.fed < len(s.prompt):
                     s.fed += len(toks)
                 else:
@@ -228,7 +247,7 @@ def _finish(session: Session, live: list[_Script]) -> None:
             live.remove(s)
 
 
-SECTIONS = ("vision", "model", "draft", "kv", "backend")  # what export_vision, export and lower_kv read
+SECTIONS = ("vision", "model", "draft", "quant", "kv", "backend")  # what export_vision, export and lower_kv read
 
 
 def backend_graphs(sections: dict) -> dict:
@@ -239,10 +258,10 @@ def backend_graphs(sections: dict) -> dict:
     from pipeline.backends import backend
     from pipeline.stages import export, export_vision, lower_kv
 
-    vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
+    vision_cfg, model_cfg, draft_cfg, quant_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
     # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
     vision = export_vision.run(vision_cfg, model_cfg, {}, None)
-    exported = export.run(model_cfg, draft_cfg, {}, None)
+    exported = export.run(model_cfg, draft_cfg, quant_cfg, {}, None)
     lowered = lower_kv.run(model_cfg, kv_cfg, backend_cfg, exported, None)
     return backend(backend_cfg.name).programs(lowered["lowered"] | vision["vision_exported"])
 
@@ -266,13 +285,48 @@ def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) 
                                    f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
 
 
-def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inputs: dict, workdir: Path) -> dict:
+def _quant_report(scripts: list[_Script], quant_cfg, tolerance_used: float) -> tuple[dict, list[str]]:
+    """A quantized artifact against the unquantized eager model, step by step (the scheme's cost)."""
+    agree = [a for s in scripts for a in s.float_agree]
+    agreement = sum(agree) / len(agree)
+    worst = max(e for s in scripts for e in s.float_errors)
+    report = {
+        "scheme": str(quant_cfg.scheme),
+        "oracle": "the eager target quantized the same way (torchao's reference; validate holds quant.tolerance)",
+        "tolerance": tolerance_used,
+        "greedy_equals_oracle": {s.seq_id: all(s.oracle_agree) for s in scripts},
+        "against_unquantized": {
+            "max_relative_error": worst,
+            "token_agreement": agreement,
+            "min_token_agreement": quant_cfg.min_token_agreement,
+            "max_logit_error": quant_cfg.max_logit_error,
+            "per_step": {s.seq_id: {"relative_error": s.float_errors, "greedy_agrees": s.float_agree} for s in scripts},
+        },
+    }
+    failures = []
+    if agreement < quant_cfg.min_token_agreement:
+        failures.append(f"greedy tokens agree with the unquantized model on {agreement:.1%} of steps, under "
+                        f"quant.min_token_agreement={quant_cfg.min_token_agreement}")
+    if worst > quant_cfg.max_logit_error:
+        failures.append(f"the max relative logit error against the unquantized model {worst:.3e} exceeds "
+                        f"quant.max_logit_error={quant_cfg.max_logit_error}")
+    return report, failures
+
+
+def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, quant_cfg, inputs: dict, workdir: Path) -> dict:
     model, draft, vision = inputs["model"], inputs["draft"], inputs.get("vision")
+    quantized = quant_cfg.scheme != "none"
+    unquantized = None
+    if quantized:  # the scheme's cost is measured against the model before quantization
+        from pipeline.stages.export import build_target
+
+        unquantized = build_target(model_cfg, None)[0].float()
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
         vision = copy.deepcopy(vision).float() if vision is not None else None
-    sections = {"vision": vision_cfg, "model": model_cfg, "draft": draft_cfg, "kv": kv_cfg, "backend": backend_cfg}
+    sections = {"vision": vision_cfg, "model": model_cfg, "draft": draft_cfg, "quant": quant_cfg, "kv": kv_cfg,
+                "backend": backend_cfg}
     with backend(backend_cfg.name).session(validate_cfg, sections, inputs, workdir) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
@@ -281,14 +335,19 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inp
             add_images(scripts, session.vision, session.vocab_size, validate_cfg.seed)
         how = ("speculatively (DFlash draft) " if draft is not None else "") + ("with images " if vision is not None else "")
         print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
-        stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft, vision)
+        stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft, vision, unquantized)
     worst = max(max(s.errors) for s in scripts)
+    tolerance, bound = (quant_cfg.tolerance, "quant.tolerance") if quantized else (validate_cfg.tolerance, "validate.tolerance")
     if scripts[0].text is not None:
         decode = session.tokenizer.decode
         text = {s.seq_id: {"prompt": s.text, "continuation": decode(s.generated, skip_special_tokens=True)} for s in scripts}
-    passed = worst <= validate_cfg.tolerance
-    failures = [] if passed else [
-        f"max relative logit error {worst:.3e} exceeds validate.tolerance={validate_cfg.tolerance}"]
+    passed = worst <= tolerance
+    failures = [] if passed else [f"max relative logit error {worst:.3e} exceeds {bound}={tolerance}"]
+    quant = {}
+    if quantized:
+        quant, quant_failures = _quant_report(scripts, quant_cfg, tolerance)
+        failures += quant_failures
+        passed = not failures
     images = {}
     if vision is not None:
         vision_worst = max(s.vision_error for s in scripts if s.image is not None)
@@ -316,12 +375,18 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, inp
         "max_relative_error": worst,
         **({"speculative": speculative} if speculative else {}),
         **({"images": images} if images else {}),
-        "tolerance": validate_cfg.tolerance,
+        **({"quant": quant} if quant else {}),
+        "tolerance": tolerance,
         "passed": passed,
     }
     (workdir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {validate_cfg.tolerance:.0e}) "
-          f"over {stats['steps']} steps", flush=True)
+    print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {tolerance:.0e}"
+          f"{', against the quantized eager model' if quantized else ''}) over {stats['steps']} steps", flush=True)
+    if quant:
+        vs = quant["against_unquantized"]
+        print(f"  against the unquantized model: greedy tokens agree on {vs['token_agreement']:.1%} of steps, max "
+              f"relative error {vs['max_relative_error']:.2e} (bounds {quant_cfg.min_token_agreement:.0%}, "
+              f"{quant_cfg.max_logit_error})", flush=True)
     if images:
         print(f"  images: {', '.join(images['sequences'])}, vision encoder error {images['vision_max_relative_error']:.2e}",
               flush=True)

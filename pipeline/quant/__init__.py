@@ -1,0 +1,204 @@
+"""Weight quantization of the target at build time: the ``quant`` config group.
+
+- ``int8``: 8-bit weights with one scale per output channel, ``int4``: 4-bit weights in groups of
+  ``quant.group_size`` input columns; both with 8-bit activations quantized per token at run time.
+  That is ExecuTorch's own LLM recipe (``8da8w`` / ``8da4w``): torchao's
+  ``Int8DynamicActivationIntxWeightConfig`` on every linear (the output head included), which
+  XNNPACK's quantized kernels (qc8w, qb4w) run. The token embedding (``quant.embedding``) becomes
+  8-bit rows or 4-bit groups read by ExecuTorch's quantized embedding ops (``embedding.py``).
+- ``from_checkpoint``: a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks, mapped without a float round trip
+  where the formats allow (``gguf.py``).
+
+The quantized eager model is the artifact's oracle (it computes what the ``.pte`` computes, up to
+rounding); the unquantized one measures the scheme. ``report`` records, per tensor, how far the
+quantized weight is from the float one. A tied head is untied first: the embedding and the head are
+quantized for different kernels (as ExecuTorch's export does without a shared-embedding kernel).
+"""
+
+from pipeline.errors import ConfigError
+
+XNNPACK_GROUP = 32  # XNNPACK's 4-bit groups are multiples of this
+BLOCK = 32  # llama.cpp's block of Q4_0 / Q4_1 / Q8_0: 32 columns of one row
+KEPT = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types quant=from_checkpoint keeps (gguf.py)
+FLOAT = ("F32", "F16", "BF16")
+
+
+def weights_2d(reader) -> list:
+    """A GGUF's matrices (the tensors a quantization concerns; norms are vectors)."""
+    return [t for t in reader.tensors if len(t.shape) == 2]
+
+
+def check_checkpoint(checkpoint: str | None) -> None:
+    """``quant=from_checkpoint`` needs a GGUF whose matrices are Q4_0 / Q4_1 / Q8_0 (or float)."""
+    from pathlib import Path
+
+    if not checkpoint or not str(checkpoint).endswith(".gguf"):
+        raise ConfigError(f"quant=from_checkpoint keeps a GGUF's quantized blocks, but model.checkpoint={checkpoint or 'null (random weights)'} "
+                          "is not a .gguf file; choose quant=int8 or quant=int4 to quantize its weights")
+    from pipeline.models.loaders.gguf import _reader
+
+    kinds = {t.name: t.tensor_type.name for t in weights_2d(_reader(Path(checkpoint)))}
+    other = {n: k for n, k in kinds.items() if k not in KEPT + FLOAT}
+    if other:
+        name, kind = next(iter(other.items()))
+        raise ConfigError(f"quant=from_checkpoint: model.checkpoint={checkpoint} has tensor {name} in {kind}, which is "
+                          f"not kept ({', '.join(KEPT)} are); choose quant=int4 or quant=int8 to requantize its "
+                          "dequantized weights")
+    if not any(k in KEPT for k in kinds.values()):
+        raise ConfigError(f"quant=from_checkpoint: model.checkpoint={checkpoint} is not quantized (its weights are "
+                          f"{', '.join(sorted(set(kinds.values())))}); choose quant=int8 or quant=int4 to quantize it")
+
+
+def linear_widths(args) -> dict[str, int]:
+    """Each kind of linear of the target -> its input width (what a group must divide)."""
+    widths = {"attention.wq/wk/wv": args.dim, "attention.wo": args.n_heads * args.head_dim,
+              "feed_forward.w1/w3": args.dim, "feed_forward.w2": args.hidden_dim, "output": args.dim}
+    if args.attn_gate:
+        widths["attention.wg"] = args.dim
+    return widths
+
+
+def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str) -> None:
+    """Refuse a quantization this build cannot make, from the config alone."""
+    scheme = quant_cfg.scheme
+    if scheme == "none":
+        return
+    if backend_name != "xnnpack":
+        raise ConfigError(f"quant.scheme={scheme} needs backend=xnnpack (its quantized kernels run the weights); "
+                          f"backend={backend_name} runs quant=none only")
+    if draft_name != "none":
+        raise ConfigError(f"quant.scheme={scheme} with draft={draft_name}: quantized speculative artifacts are not "
+                          "built yet (the draft's validation holds greedy output to the unquantized target); use quant=none")
+    if model_cfg.dtype != "float32":
+        raise ConfigError(f"quant.scheme={scheme} with model.dtype={model_cfg.dtype}: the quantized kernels compute "
+                          "in float32; use model.dtype=float32")
+    for name in ("tolerance", "max_logit_error"):
+        if not quant_cfg[name] > 0:
+            raise ConfigError(f"quant.{name}={quant_cfg[name]} must be positive")
+    if not 0 <= quant_cfg.min_token_agreement <= 1:
+        raise ConfigError(f"quant.min_token_agreement={quant_cfg.min_token_agreement} must be a fraction in [0, 1]")
+    group = quant_cfg.group_size
+    if scheme == "int8" and group != 0:
+        raise ConfigError(f"quant.group_size={group} with quant=int8: XNNPACK's 8-bit weights have one scale per "
+                          "output channel; use quant.group_size=0 (or quant=int4 for groups)")
+    if scheme == "from_checkpoint":
+        check_checkpoint(model_cfg.checkpoint)
+        group = XNNPACK_GROUP
+    if group < 0 or group % XNNPACK_GROUP:
+        raise ConfigError(f"quant.group_size={group} is not a multiple of {XNNPACK_GROUP} (XNNPACK's 4-bit groups) "
+                          "nor 0 (one scale per output channel)")
+    if scheme == "int8":
+        return
+    # XNNPACK's 4-bit weights are groups of a multiple of 32 columns; one scale per channel is a group
+    # of the whole input width, so that width must be such a multiple too
+    widths = linear_widths(args) | ({"tok_embeddings (its rows)": args.dim} if quant_cfg.embedding else {})
+    all_widths = sorted(set(widths.values()))
+    if not group:
+        bad = {name: w for name, w in widths.items() if w % XNNPACK_GROUP}
+        if bad:
+            name, width = next(iter(bad.items()))
+            raise ConfigError(f"quant.scheme={scheme}: the input width {width} of {name} (model {model_cfg.name}) is not "
+                              f"a multiple of {XNNPACK_GROUP}, which XNNPACK's 4-bit kernels need; use quant=int8 or "
+                              "a model whose widths are multiples of 32")
+        return
+    bad = {name: w for name, w in widths.items() if w % group}
+    if bad:
+        name, width = next(iter(bad.items()))
+        fits = [g for g in range(XNNPACK_GROUP, min(all_widths) + 1, XNNPACK_GROUP) if all(w % g == 0 for w in all_widths)]
+        hint = (f"choose one that divides {', '.join(map(str, all_widths))} ({', '.join(map(str, fits))})"
+                if fits else f"no multiple of {XNNPACK_GROUP} divides all of {', '.join(map(str, all_widths))}: use quant=int8")
+        raise ConfigError(f"quant.group_size={group} does not divide the input width {width} of {name} (model "
+                          f"{model_cfg.name}); {hint}")
+
+
+def describe(quant_cfg) -> str:
+    scheme, group = quant_cfg.scheme, quant_cfg.group_size
+    if scheme == "none":
+        return "none"
+    if scheme == "from_checkpoint":
+        return "the checkpoint's blocks (Q4_0 / Q4_1 / Q8_0, groups of 32), int8 dynamic activations"
+    bits = 8 if scheme == "int8" else 4
+    how = f"groups of {group}" if group else "per output channel"
+    return f"int{bits} weights ({how}), int8 dynamic activations per token"
+
+
+def quantize(model, quant_cfg, model_cfg) -> dict:
+    """Quantize ``model`` (the target, float32) in place as ``quant_cfg`` says; the report for the
+    manifest and build.json: the scheme, the group size and every quantized tensor's error."""
+    import torch
+    from torch import nn
+
+    if quant_cfg.scheme == "none":
+        return {"scheme": "none"}
+    floats = {name: m.weight.detach().clone() for name, m in _quantizable(model, quant_cfg)}
+    if model.output is None:  # untie: the head becomes a linear of its own, quantized as the others
+        model.output = nn.Linear(model.args.dim, model.args.vocab_size, bias=False)
+        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone(), requires_grad=False)
+        floats["output"] = floats.get("tok_embeddings", model.output.weight.detach().clone())
+    with torch.no_grad():
+        if quant_cfg.scheme == "from_checkpoint":
+            from pipeline.quant.gguf import apply_blocks
+
+            formats = apply_blocks(model, model_cfg, quant_cfg)
+        else:
+            formats = _quantize_float(model, quant_cfg)
+    _drop_instance_reprs(model)
+    tensors = {name: {"format": formats[name], **error_stats(dequantized(model, name), floats[name])}
+               for name in formats}
+    return {"scheme": str(quant_cfg.scheme), "group_size": quant_cfg.group_size if quant_cfg.scheme != "from_checkpoint" else 32,
+            "embedding": bool(quant_cfg.embedding), "describe": describe(quant_cfg),
+            "reference": "llama.cpp's dequantization of the GGUF" if quant_cfg.scheme == "from_checkpoint" else "the float weights",
+            "tensors": tensors, "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
+
+
+def _quantizable(model, quant_cfg):
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or (quant_cfg.embedding and name == "tok_embeddings"):
+            yield name, module
+
+
+def _quantize_float(model, quant_cfg) -> dict[str, str]:
+    import torch
+    from torch import nn
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerAxis, PerGroup, quantize_
+
+    from pipeline.quant.embedding import QuantEmbedding
+
+    bits, group = (8, 0) if quant_cfg.scheme == "int8" else (4, quant_cfg.group_size)
+    quantize_(model, Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=PerGroup(group) if group else PerAxis(0)),
+        filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    how = f"int{bits} g{group}" if group else f"int{bits} per channel"
+    formats = {name: f"{how} (8da{bits}w)" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if quant_cfg.embedding:
+        dim = model.args.dim
+        model.tok_embeddings = QuantEmbedding.quantize(model.tok_embeddings.weight, bits, group or dim)
+        formats["tok_embeddings"] = f"int{bits} {'g' + str(group) if group else 'per row'} (embedding_{'byte' if bits == 8 else '4bit'})"
+    return formats
+
+
+def dequantized(model, name: str):
+    """The weight of module ``name`` as the quantized model computes with it, in float."""
+    module = model.get_submodule(name)
+    if hasattr(module, "dequantize"):  # QuantEmbedding, gguf.OffsetLinear
+        return module.dequantize()
+    weight = module.weight
+    return weight.dequantize() if hasattr(weight, "dequantize") else weight.detach()
+
+
+def error_stats(got, want) -> dict:
+    """A quantized weight against its float reference."""
+    got, want = got.float(), want.float()
+    diff = got - want
+    rms = float(diff.pow(2).mean().sqrt())
+    return {"max_abs_error": float(diff.abs().max()), "rms_error": rms,
+            "relative_rms_error": rms / max(float(want.pow(2).mean().sqrt()), 1e-30), "bit_exact": bool(diff.abs().max() == 0)}
+
+
+def _drop_instance_reprs(model) -> None:
+    # torchao sets a bound extra_repr on each module it quantizes; the bound partial cannot be pickled
+    # (the stage cache saves the eager model with torch.save), and it only prints
+    for module in model.modules():
+        module.__dict__.pop("extra_repr", None)
