@@ -116,11 +116,6 @@ class QuantConfig:
     # 8-bit groups), so 0 there
     group_size: int = 32
     embedding: bool = True  # the token embedding too (ExecuTorch's quantized embedding kernels)
-    # validation: the .pte against the eager model quantized the same way (the artifact's proof) ...
-    tolerance: float = 2e-2
-    # ... and against the unquantized eager model (the scheme's cost), teacher-forced on the .pte's tokens:
-    min_token_agreement: float = 0.7  # fraction of steps whose greedy token equals the unquantized model's
-    max_logit_error: float = 0.5  # max relative logit error (validate.metric) of any step
 
 
 @dataclass
@@ -140,6 +135,12 @@ class ValidateConfig:
         "The three primary colors are", "Water boils at"])
     decode_steps: int = 40
     seed: int = 0
+    # a quantized artifact (quant != none; each conf/quant/ option sets its own): the .pte against the eager
+    # model quantized the same way (the artifact's proof; replaces `tolerance`) ...
+    quant_tolerance: float = 2e-2
+    # ... and against the unquantized eager model (the scheme's cost), on the .pte's tokens:
+    min_token_agreement: float = 0.7  # fraction of steps whose greedy token equals the unquantized model's
+    max_logit_error: float = 0.5  # max relative logit error (validate.metric) of any step
     # backend=cuda: how the GPU runs the lowered graphs (pipeline/runtime/aoti.py). inductor: torch.compile
     # with Inductor's C++ wrapper; aoti: AOTInductor packages, as the CudaBackend builds them (their loader
     # segfaults on the lent H200, torch 2.11 / CUDA 13)

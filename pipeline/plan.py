@@ -65,6 +65,10 @@ def print_plan(cfg: DictConfig, plan: list, exp_dir: Path, statuses: dict[str, s
             line += (f"; KV {layout.layout}, max_seqs={layout.max_seqs}, {'causal' if layout.causal else 'non-causal'}: "
                      f"{kv} bytes ({kv / 1e6:.2f} MB) over {len(layout.layers)} layers")
         print(line)
+    if cfg.quant.scheme != "none":
+        from pipeline.quant import describe
+
+        print(f"  quant  {cfg.quant.scheme}: the target's {describe(cfg.quant)}")
     estimate = memory_estimate(layouts, target, cfg.model.dtype)
     budget = cfg.memory_budget_gb * GB if cfg.memory_budget_gb is not None else machine_memory()
     print(f"  build peak memory: an estimated {estimate['peak'] / GB:.2f} GB of a {budget / GB:.1f} GB budget")

@@ -52,7 +52,7 @@ def check_config(cfg: DictConfig) -> list:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
     args = model_args(cfg.model)
     check_model(args)
-    check_quant(cfg.quant, args, cfg.model, cfg.backend.name, cfg.draft.name)
+    check_quant(cfg.quant, args, cfg.model, cfg.backend.name, cfg.draft.name, cfg.validate)
     draft = None
     if cfg.draft.name != "none":
         draft = draft_args(cfg.draft, args)

@@ -330,8 +330,9 @@ def quantize_k(values, qtype: str):
     return np.concatenate(blocks, axis=1).reshape(*values.shape[:-1], -1)
 
 
-def write_llama_gguf(path: Path, model, qtype: str) -> None:
-    """Our model as llama.cpp's converter writes it: its names, q/k rows permuted, one tensor type."""
+def write_llama_gguf(path: Path, model, qtype: str, types: dict[str, str] | None = None) -> None:
+    """Our model as llama.cpp's converter writes it: its names, q/k rows permuted, one tensor type
+    (``types``: another for some of our tensor names)."""
     import gguf
     import numpy as np
 
@@ -345,15 +346,15 @@ def write_llama_gguf(path: Path, model, qtype: str) -> None:
         for i in range(a.n_layers):
             gguf_name = pattern.replace(r"(\d+)", str(i)).replace(r"(weight|bias)", "weight").replace("\\", "")
             ours_to_gguf[ours.format(i, "weight") if "{}" in ours else ours] = gguf_name
-    qt = gguf.GGMLQuantizationType[qtype]
     for name, tensor in model.state_dict().items():
+        qt = gguf.GGMLQuantizationType[(types or {}).get(name, qtype)]
         values = tensor.numpy()
         if name.endswith(("wq.weight", "wk.weight")):  # llama.cpp's permute: halves -> adjacent pairs
             heads = a.n_heads if name.endswith("wq.weight") else a.n_kv_heads
             values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(values.shape)
         kind = qt if values.ndim == 2 else gguf.GGMLQuantizationType.F32  # norms stay F32, as llama.cpp keeps them
         values = np.ascontiguousarray(values, dtype=np.float32)
-        data = quantize_k(values, qtype) if kind.name in ("Q4_K", "Q6_K") else gguf.quants.quantize(values, kind)
+        data = quantize_k(values, kind.name) if kind.name in ("Q4_K", "Q6_K") else gguf.quants.quantize(values, kind)
         w.add_tensor(ours_to_gguf[name], data, raw_shape=data.shape if kind == gguf.GGMLQuantizationType.F32 else None,
                      raw_dtype=kind)
     w.write_header_to_file()

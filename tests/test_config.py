@@ -94,6 +94,16 @@ BAD_INPUT = [
     (["vision=smolvlm_tiny", "vision.image_size=36"], ["vision.image_size=36", "multiple of", "16"]),
     (["vision=smolvlm_tiny", "vision.image_size=256"], ["an image is 256 tokens", "kv.capacity=128"]),
     (["vision=smolvlm_tiny", "stages=[export,lower_kv]"], ["needs the export_vision stage"]),
+    # issue 14: quantizations this build cannot make
+    (["quant=int5"], ["quant=int5", "from_checkpoint, int4, int8, none"]),
+    (["quant.scheme=int5"], ["quant.scheme=int5 is not one of none, int8, int4, from_checkpoint"]),
+    (["quant=int4"], ["quant.group_size=32", "input width 176", "feed_forward.w2", "quant=int8"]),
+    (["quant=int4", "model.hidden_dim=192", "quant.group_size=96"], ["quant.group_size=96", "input width 64", "(32, 64)"]),
+    (["quant=int4", "model.hidden_dim=192", "quant.group_size=40"], ["quant.group_size=40", "multiple of 32"]),
+    (["quant=int8", "quant.group_size=32"], ["quant.group_size=32", "one scale per output channel"]),
+    (["quant=from_checkpoint"], ["quant=from_checkpoint", "model.checkpoint=null", "quant=int4"]),
+    (["quant=int8", "backend=portable"], ["quant.scheme=int8 needs backend=xnnpack"]),
+    (["quant=int8", "draft=dflash"], ["quant.scheme=int8 with draft=dflash"]),
     # what gets past the checks to Hydra, shortened to one line
     (["kv.max_seqs=1,2"], ["kv.max_seqs=1,2", "add --multirun"]),
     (["hydra.job.chdir=maybe"], ["hydra.job.chdir=maybe", "not a valid bool"]),

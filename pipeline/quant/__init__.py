@@ -58,11 +58,16 @@ def linear_widths(args) -> dict[str, int]:
     return widths
 
 
-def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str) -> None:
+def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str, validate_cfg) -> None:
     """Refuse a quantization this build cannot make, from the config alone."""
     scheme = quant_cfg.scheme
     if scheme == "none":
         return
+    for name in ("quant_tolerance", "max_logit_error"):
+        if not validate_cfg[name] > 0:
+            raise ConfigError(f"validate.{name}={validate_cfg[name]} must be positive")
+    if not 0 <= validate_cfg.min_token_agreement <= 1:
+        raise ConfigError(f"validate.min_token_agreement={validate_cfg.min_token_agreement} must be a fraction in [0, 1]")
     if backend_name != "xnnpack":
         raise ConfigError(f"quant.scheme={scheme} needs backend=xnnpack (its quantized kernels run the weights); "
                           f"backend={backend_name} runs quant=none only")
@@ -72,11 +77,6 @@ def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str) -> Non
     if model_cfg.dtype != "float32":
         raise ConfigError(f"quant.scheme={scheme} with model.dtype={model_cfg.dtype}: the quantized kernels compute "
                           "in float32; use model.dtype=float32")
-    for name in ("tolerance", "max_logit_error"):
-        if not quant_cfg[name] > 0:
-            raise ConfigError(f"quant.{name}={quant_cfg[name]} must be positive")
-    if not 0 <= quant_cfg.min_token_agreement <= 1:
-        raise ConfigError(f"quant.min_token_agreement={quant_cfg.min_token_agreement} must be a fraction in [0, 1]")
     group = quant_cfg.group_size
     if scheme == "int8" and group != 0:
         raise ConfigError(f"quant.group_size={group} with quant=int8: XNNPACK's 8-bit weights have one scale per "

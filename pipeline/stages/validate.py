@@ -285,31 +285,31 @@ def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) 
                                    f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
 
 
-def _quant_report(scripts: list[_Script], quant_cfg, tolerance_used: float) -> tuple[dict, list[str]]:
+def _quant_report(scripts: list[_Script], quant_cfg, validate_cfg) -> tuple[dict, list[str]]:
     """A quantized artifact against the unquantized eager model, step by step (the scheme's cost)."""
     agree = [a for s in scripts for a in s.float_agree]
     agreement = sum(agree) / len(agree)
     worst = max(e for s in scripts for e in s.float_errors)
     report = {
         "scheme": str(quant_cfg.scheme),
-        "oracle": "the eager target quantized the same way (torchao's reference; validate holds quant.tolerance)",
-        "tolerance": tolerance_used,
+        "oracle": "the eager target quantized the same way (torchao's reference; validate holds validate.quant_tolerance)",
+        "tolerance": validate_cfg.quant_tolerance,
         "greedy_equals_oracle": {s.seq_id: all(s.oracle_agree) for s in scripts},
         "against_unquantized": {
             "max_relative_error": worst,
             "token_agreement": agreement,
-            "min_token_agreement": quant_cfg.min_token_agreement,
-            "max_logit_error": quant_cfg.max_logit_error,
+            "min_token_agreement": validate_cfg.min_token_agreement,
+            "max_logit_error": validate_cfg.max_logit_error,
             "per_step": {s.seq_id: {"relative_error": s.float_errors, "greedy_agrees": s.float_agree} for s in scripts},
         },
     }
     failures = []
-    if agreement < quant_cfg.min_token_agreement:
+    if agreement < validate_cfg.min_token_agreement:
         failures.append(f"greedy tokens agree with the unquantized model on {agreement:.1%} of steps, under "
-                        f"quant.min_token_agreement={quant_cfg.min_token_agreement}")
-    if worst > quant_cfg.max_logit_error:
+                        f"validate.min_token_agreement={validate_cfg.min_token_agreement}")
+    if worst > validate_cfg.max_logit_error:
         failures.append(f"the max relative logit error against the unquantized model {worst:.3e} exceeds "
-                        f"quant.max_logit_error={quant_cfg.max_logit_error}")
+                        f"validate.max_logit_error={validate_cfg.max_logit_error}")
     return report, failures
 
 
@@ -337,7 +337,8 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
         print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
         stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft, vision, unquantized)
     worst = max(max(s.errors) for s in scripts)
-    tolerance, bound = (quant_cfg.tolerance, "quant.tolerance") if quantized else (validate_cfg.tolerance, "validate.tolerance")
+    tolerance, bound = ((validate_cfg.quant_tolerance, "validate.quant_tolerance") if quantized
+                        else (validate_cfg.tolerance, "validate.tolerance"))
     if scripts[0].text is not None:
         decode = session.tokenizer.decode
         text = {s.seq_id: {"prompt": s.text, "continuation": decode(s.generated, skip_special_tokens=True)} for s in scripts}
@@ -345,7 +346,7 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
     failures = [] if passed else [f"max relative logit error {worst:.3e} exceeds {bound}={tolerance}"]
     quant = {}
     if quantized:
-        quant, quant_failures = _quant_report(scripts, quant_cfg, tolerance)
+        quant, quant_failures = _quant_report(scripts, quant_cfg, validate_cfg)
         failures += quant_failures
         passed = not failures
     images = {}
@@ -385,8 +386,8 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
     if quant:
         vs = quant["against_unquantized"]
         print(f"  against the unquantized model: greedy tokens agree on {vs['token_agreement']:.1%} of steps, max "
-              f"relative error {vs['max_relative_error']:.2e} (bounds {quant_cfg.min_token_agreement:.0%}, "
-              f"{quant_cfg.max_logit_error})", flush=True)
+              f"relative error {vs['max_relative_error']:.2e} (bounds {validate_cfg.min_token_agreement:.0%}, "
+              f"{validate_cfg.max_logit_error})", flush=True)
     if images:
         print(f"  images: {', '.join(images['sequences'])}, vision encoder error {images['vision_max_relative_error']:.2e}",
               flush=True)

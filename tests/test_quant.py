@@ -1,0 +1,198 @@
+"""Quantized artifacts (pipeline/quant): each scheme's .pte against the eager model quantized the same
+way, a GGUF's blocks kept without a float round trip, and the report the build records."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_checkpoints import write_llama_gguf
+
+from conftest import compose_config
+from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.models.args import model_args
+from pipeline.models.transformer import build_model
+from pipeline.quant import dequantized, quantize
+from pipeline.runner import resolve_model
+from pipeline.stages.export import build_target
+
+# tiny_flat with a feed-forward width that is a multiple of 32 (XNNPACK's 4-bit groups)
+QUANT_MODEL = ("model=tiny_flat", "model.hidden_dim=192")
+SCHEMES = {"int8": ("quant=int8",), "int4": ("quant=int4",)}
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / (want.max() - want.min()))
+
+
+def _eager_logits(model, prompt: list[int]) -> torch.Tensor:
+    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True)), torch.no_grad():
+        hidden = model.hidden(model.embed(torch.tensor(prompt)), torch.arange(len(prompt)))
+        return model.logits(hidden)[-1]
+
+
+@pytest.fixture(scope="module")
+def quantized_build(build_dir):
+    def _build(scheme: str):
+        overrides = (*QUANT_MODEL, *SCHEMES[scheme], "validate.decode_steps=16", f"experiment_name=q_{scheme}")
+        return build_dir(*overrides), compose_config(*overrides)
+
+    return _build
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, scheme):
+    """The .pte (XNNPACK's quantized kernels) against the eager model quantized the same way (torchao's
+    reference), on a fresh prompt: within validate.quant_tolerance, while the unquantized model is further away
+    than that bound (so the bound tells the two apart), and the build's validation agrees."""
+    from pipeline.runtime.session import Session
+
+    version, cfg = quantized_build(scheme)
+    eager, _ = build_target(cfg.model, None)
+    float_model, _ = build_target(cfg.model, None)
+    report = quantize(eager, cfg.quant, cfg.model)
+    prompt = torch.randint(0, cfg.model.vocab_size, (13,), generator=torch.Generator().manual_seed(7)).tolist()
+    session = Session(version)
+    session.add("a")
+    got = session.step({"a": prompt})["a"]
+    error = _relative(got, _eager_logits(eager, prompt))
+    assert error <= cfg.validate.quant_tolerance, (scheme, error)
+    if scheme == "int4":  # 4-bit weights move the logits far more than the bound
+        assert _relative(got, _eager_logits(float_model, prompt)) > cfg.validate.quant_tolerance
+
+    validation = json.loads((version / "validation.json").read_text())
+    assert validation["passed"] and validation["tolerance"] == cfg.validate.quant_tolerance
+    q = validation["quant"]
+    assert all(q["greedy_equals_oracle"].values())  # every step's greedy token is the quantized eager model's
+    assert 0 < q["against_unquantized"]["max_relative_error"] <= cfg.validate.max_logit_error
+    assert q["against_unquantized"]["token_agreement"] >= cfg.validate.min_token_agreement
+
+    record = json.loads((version / "build.json").read_text())["quant"]
+    manifest = json.loads((version / "manifest.json").read_text())["quant"]
+    assert record == manifest == json.loads(json.dumps(report))  # the same report, recomputed here
+    assert record["scheme"] == scheme and record["group_size"] == cfg.quant.group_size
+    # every linear (the 2 layers' 7, the untied head) and the embedding
+    assert len(record["tensors"]) == 2 * 7 + 2 and "tok_embeddings" in record["tensors"]
+    assert all(t["relative_rms_error"] > 0 for t in record["tensors"].values())
+
+
+# --- quant=from_checkpoint: a GGUF's blocks -------------------------------------------------------
+
+
+def _gguf_config(tmp_path, qtype: str, embedding: str | None = None):
+    args = model_args(compose_config(*QUANT_MODEL).model)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_llama_gguf(path, build_model(args, 3), qtype, {"tok_embeddings.weight": embedding} if embedding else None)
+    return resolve_model(compose_config(f"+model.checkpoint={path}", "quant=from_checkpoint"), []), path
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1"])
+def test_gguf_blocks_kept_without_a_float_round_trip(tmp_path, qtype):
+    """Each mapped tensor against llama.cpp's dequantization of the same file (the loader's weights, by
+    the gguf package): bit for bit for Q4_0 (4-bit groups) and Q8_0 (8-bit embedding rows); for Q4_1
+    the integers and scales are exact and the offset term ``m + 8 d`` is one float32 rounding."""
+    from pipeline.quant.gguf import OffsetLinear
+
+    cfg, _ = _gguf_config(tmp_path, qtype)
+    model, _ = build_target(cfg.model, None)  # llama.cpp's dequantized weights
+    want = {name: m.weight.detach().clone() for name, m in model.named_modules() if hasattr(m, "weight")
+            and m.weight is not None and m.weight.ndim == 2}
+    want["output"] = want["output"] if "output" in want else want["tok_embeddings"]
+    report = quantize(model, cfg.quant, cfg.model)
+    for name, stats in report["tensors"].items():
+        got = dequantized(model, name)
+        if qtype == "Q4_0" or (qtype == "Q8_0" and name == "tok_embeddings"):
+            assert "kept" in stats["format"] and torch.equal(got, want[name]), (name, stats)
+            assert stats["bit_exact"]
+        elif qtype == "Q4_1" and name != "tok_embeddings":
+            module = model.get_submodule(name)
+            assert isinstance(module, OffsetLinear)
+            w = module.inner.weight
+            assert w.qdata.min() >= -8 and w.qdata.max() <= 7
+            assert float((got - want[name]).abs().max()) <= 4 * torch.finfo(torch.float32).eps * float(want[name].abs().max())
+        elif qtype == "Q8_0":  # a Q8_0 linear: requantized per channel (XNNPACK has no 8-bit groups)
+            assert "requantized" in stats["format"] and not stats["bit_exact"]
+            assert stats["relative_rms_error"] < 1e-2
+    if qtype == "Q4_1":  # no exact 4-bit embedding with offsets: the embedding stays float
+        assert "dequantized" in report["tensors"]["tok_embeddings"]["format"]
+
+
+def test_gguf_block_comparison_can_fail(tmp_path, monkeypatch):
+    """The bit-for-bit check above catches a wrong nibble order (columns j and j + 16 swapped)."""
+    from pipeline.quant import gguf as quant_gguf
+
+    real = quant_gguf.blocks
+
+    def swapped(tensor):
+        b = real(tensor)
+        if b["kind"] == "Q4_0":
+            q = b["q"].reshape(b["q"].shape[0], -1, 2, 16)
+            b["q"] = np.ascontiguousarray(q[:, :, ::-1]).reshape(b["q"].shape)
+        return b
+
+    cfg, _ = _gguf_config(tmp_path, "Q4_0")
+    model, _ = build_target(cfg.model, None)
+    want = model.layers[0].feed_forward.w2.weight.detach().clone()
+    monkeypatch.setattr(quant_gguf, "blocks", swapped)
+    quantize(model, cfg.quant, cfg.model)
+    assert not torch.equal(dequantized(model, "layers.0.feed_forward.w2"), want)
+
+
+def test_from_checkpoint_artifact(build_dir, tmp_path_factory):
+    """A GGUF as SmolLM2's is written (Q4_1 linears, a Q8_0 embedding and tied head) built with its
+    blocks kept: the .pte validates against the quantized eager model."""
+    tmp = tmp_path_factory.mktemp("gguf")
+    args = model_args(compose_config(*QUANT_MODEL, "model.tie_embeddings=true").model)
+    path = tmp / "tiny-q41.gguf"
+    write_llama_gguf(path, build_model(args, 3), "Q4_1", {"tok_embeddings.weight": "Q8_0"})
+    version = build_dir(f"+model.checkpoint={path}", "quant=from_checkpoint", "validate.decode_steps=16",
+                        "experiment_name=q_gguf")
+    validation = json.loads((version / "validation.json").read_text())
+    assert validation["passed"] and all(validation["quant"]["greedy_equals_oracle"].values())
+    tensors = json.loads((version / "build.json").read_text())["quant"]["tensors"]
+    assert tensors["tok_embeddings"]["bit_exact"] and "Q8_0 blocks kept" in tensors["tok_embeddings"]["format"]
+    assert "requantized" in tensors["output"]["format"]  # the tied head: XNNPACK has no 8-bit groups
+    assert all("Q4_1 blocks kept" in t["format"] for n, t in tensors.items() if n.startswith("layers."))
+
+
+def test_from_checkpoint_refuses_an_unquantized_gguf(tmp_path):
+    from pipeline.errors import ConfigError
+    from pipeline.runner import build
+
+    cfg, path = _gguf_config(tmp_path, "F32")
+    cfg.output_root = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match=f"model.checkpoint={path} is not quantized .*F32.*quant=int8"):
+        build(cfg, [f"+model.checkpoint={path}", "quant=from_checkpoint"])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_int4_eight_prompts_match_the_quantized_eager_model(tmp_path):
+    """``model=smollm2_135m quant=int4 kv.max_seqs=8``: built and validated; the session decodes 8 text
+    prompts at once, and the first 32 greedy tokens of 3 of them equal the quantized eager model's
+    (plain greedy decoding, one sequence alone). About 10 minutes to build here:
+    SMOLLM2_INT4_ARTIFACT=<version dir> reuses a build of that command."""
+    import os
+
+    from pipeline.runner import build
+    from pipeline.runtime.session import Session
+    from pipeline.runtime.speculative import greedy_generate
+
+    overrides = ["model=smollm2_135m", "quant=int4", "kv=sequence", "kv.max_seqs=8"]
+    version = os.environ.get("SMOLLM2_INT4_ARTIFACT") or build(compose_config(*overrides, f"output_root={tmp_path}"),
+                                                               overrides)
+    assert json.loads((Path(version) / "validation.json").read_text())["passed"]
+    session = Session(version)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "The three primary colors are", "Water boils at", "My favourite book is", "import numpy as np",
+               "The quick brown fox"]
+    got = session.generate({i: p for i, p in enumerate(prompts)}, max_new_tokens=32, stop_at_eos=False)
+    assert len(got) == 8 and all(got.values())
+    cfg = resolve_model(compose_config(*overrides), overrides)
+    eager, _ = build_target(cfg.model, None)
+    quantize(eager, cfg.quant, cfg.model)
+    tok = session.tokenizer
+    for i in range(3):
+        want = greedy_generate(eager, tok(prompts[i]).input_ids, 32)
+        assert got[i] == tok.decode(want, skip_special_tokens=True), (prompts[i], got[i])
