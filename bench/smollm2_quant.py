@@ -27,26 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smollm2_decode import TEXT  # noqa: E402
+from smollm2_decode import ours as ours_decode  # noqa: E402  our artifact at S sequences
+from smollm2_decode import theirs as hf_decode  # noqa: E402  transformers eager at S sequences
+
 from _results import write_section  # noqa: E402
 
 warnings.filterwarnings("ignore")
-TEXT = "The history of the city begins with a small settlement on the river, where traders met to exchange grain and "
-
-
-def ours_decode(session, seqs: int, context: list[int], steps: int) -> float:
-    for i in range(seqs):
-        session.add(i)
-        for start in range(0, len(context), session.max_step_tokens):
-            logits = session.step({i: context[start: start + session.max_step_tokens]})
-    token = int(next(iter(logits.values())).argmax())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        session.step({i: [token] for i in range(seqs)})
-        times.append(time.perf_counter() - t0)
-    for i in range(seqs):
-        session.release(i)
-    return seqs / statistics.median(times)
 
 
 def ours_prefill(session, prompt: list[int]) -> float:
@@ -57,20 +44,6 @@ def ours_prefill(session, prompt: list[int]) -> float:
     seconds = time.perf_counter() - t0
     session.release("p")
     return len(prompt) / seconds
-
-
-def hf_decode(hf, seqs: int, context: list[int], steps: int) -> float:
-    ids = torch.tensor([context] * seqs)
-    with torch.no_grad():
-        out = hf(ids, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = hf(token, past_key_values=past, use_cache=True)
-            times.append(time.perf_counter() - t0)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return seqs / statistics.median(times)
 
 
 def hf_prefill(hf, prompt: list[int]) -> float:
@@ -131,7 +104,7 @@ def main() -> None:
         session = Session(version)
         if max(args.seqs) > session.max_seqs or len(prompt) + 1 > (session.max_length or len(prompt) + 1):
             sys.exit(f"{version}: needs kv.max_seqs >= {max(args.seqs)} and kv.capacity > {len(prompt)}")
-        rows[name] = {s: ours_decode(session, s, context, args.steps) for s in args.seqs}
+        rows[name] = {s: ours_decode(version, s, context, args.steps) for s in args.seqs}
         rows[name]["prefill"] = ours_prefill(session, prompt)
         rows[name]["bytes"] = sum(info["bytes"] for f, info in record["artifacts"].items() if f.endswith((".pte", ".ptd")))
         print(name, {k: round(v, 1) for k, v in rows[name].items() if k != "bytes"}, flush=True)

@@ -19,7 +19,8 @@ from pipeline.stages.export import build_target
 
 # tiny_flat with a feed-forward width that is a multiple of 32 (XNNPACK's 4-bit groups)
 QUANT_MODEL = ("model=tiny_flat", "model.hidden_dim=192")
-SCHEMES = {"int8": ("quant=int8",), "int4": ("quant=int4",)}
+# the bounds a shallow model holds (measured here: 3.2e-3 and 5.1e-3); the presets bound deep models
+SCHEMES = {"int8": ("quant=int8", "validate.quant_tolerance=1e-2"), "int4": ("quant=int4", "validate.quant_tolerance=2e-2")}
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
