@@ -68,7 +68,7 @@ BAD_INPUT = [
     # issue 10: what used to build for minutes, exhaust the machine or print Hydra's pages
     (["kv.max_seqs=1000000"], ["kv.max_seqs=1000000", "GB", "over the budget", "this machine's memory"]),
     (["memory_budget_gb=0.01"], ["estimated", "memory_budget_gb=0.01"]),
-    (["+unknown_key=1"], ["unknown_key=1 is not a setting", "kv, backend, validate"]),
+    (["+unknown_key=1"], ["unknown_key=1 is not a setting", "kv, backend, quant, validate"]),
     (["unknown_key=1"], ["unknown_key=1 is not a setting"]),
     (["+kv.foo=1"], ["kv.foo=1 is not a setting", "max_seqs, capacity"]),
     (["kv.max_seqs=abc"], ["kv.max_seqs=abc is not an integer"]),

@@ -78,6 +78,35 @@ def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, sche
     assert all(t["relative_rms_error"] > 0 for t in record["tensors"].values())
 
 
+@pytest.mark.parametrize("scheme,bound", [("int8", 1e-6), ("int4", 3e-3)])
+def test_one_quantized_linear_matches_torchao(scheme, bound):
+    """One linear of the quantized model through XNNPACK against torchao's reference on the layer's own
+    activations: int8 matches to fp32 rounding, int4 to XNNPACK's bfloat16 group scales. (A whole deep
+    model does not: the activation rounding's discontinuity amplifies fp32 differences; see
+    docs/design.md.)"""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+    from torch import nn
+
+    cfg = compose_config(*QUANT_MODEL, *SCHEMES[scheme])
+    model, _ = build_target(cfg.model, None)
+    captured = {}
+
+    def keep_input(module, inputs, output):  # returns None: the output stands
+        captured.setdefault("x", inputs[0][0].clone())
+
+    model.layers[1].feed_forward.w2.register_forward_hook(keep_input)
+    quantize(model, cfg.quant, cfg.model)
+    _eager_logits(model, list(range(40, 60)))
+    x, linear = captured["x"], nn.Sequential(model.layers[1].feed_forward.w2)
+    program = to_edge_transform_and_lower(torch.export.export(linear, (x,)), partitioner=[XnnpackPartitioner()]).to_executorch()
+    got = Runtime.get().load_program(program.buffer).load_method("forward").execute([x])[0]
+    with torch.no_grad():
+        want = linear(x)
+    assert _relative(got, want) <= bound, _relative(got, want)
+
+
 # --- quant=from_checkpoint: a GGUF's blocks -------------------------------------------------------
 
 
