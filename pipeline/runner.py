@@ -357,6 +357,6 @@ def _summary(version: Path, record: dict) -> None:
     if "validation_passed" in record:
         report = json.loads((version / "validation.json").read_text())
         print(f"  validation: {'PASSED' if report['passed'] else 'FAILED'} "
-              f"(max relative error {report['max_relative_error']:.2e}, tolerance {report['tolerance']:.0e})")
+              f"(max relative error {report['max_relative_error']:.2e}, tolerance {report['tolerance']:.2g})")
     else:
         print("  validation: not run (no validate stage)")

@@ -18,7 +18,7 @@ OVERRIDES = ("kv=cell", "kv.max_seqs=2", "kv.capacity=128", "backend=portable", 
 
 def _recipe(cfg, **model_changes):
     return validate.graphs_recipe({"vision": cfg.vision, "model": OmegaConf.merge(cfg.model, model_changes), "draft": cfg.draft,
-                                   "kv": cfg.kv, "backend": cfg.backend})
+                                   "quant": cfg.quant, "kv": cfg.kv, "backend": cfg.backend})
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 way, a GGUF's blocks kept without a float round trip, and the report the build records."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,12 @@ def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, sche
     assert all(q["greedy_equals_oracle"].values())  # every step's greedy token is the quantized eager model's
     assert 0 < q["against_unquantized"]["max_relative_error"] <= cfg.validate.max_logit_error
     assert q["against_unquantized"]["token_agreement"] >= cfg.validate.min_token_agreement
+
+    # a fresh process serves it (the quantized embedding's kernels register when the session loads)
+    code = ("import sys; from pipeline.runtime.session import Session; s = Session(sys.argv[1]); s.add('a'); "
+            "print(int(s.step({'a': [1, 2, 3]})['a'].argmax()))")
+    proc = subprocess.run([sys.executable, "-c", code, str(version)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().isdigit(), proc.stderr[-2000:]
 
     record = json.loads((version / "build.json").read_text())["quant"]
     manifest = json.loads((version / "manifest.json").read_text())["quant"]

@@ -58,6 +58,10 @@ class Session(SpeculativeSteps):
         if methods is None:
             from executorch.runtime import Runtime
 
+            if self.manifest.get("quant", {}).get("scheme", "none") != "none":
+                # the quantized embedding ops' kernels (embedding_byte / embedding_4bit) register with the
+                # runtime when this library loads; without it the method fails to load (OperatorMissing)
+                import executorch.kernels.quantized  # noqa: F401
             self.program = Runtime.get().load_program(str(artifact_dir / self.manifest["program"]))
             self.runtime = "executorch.runtime"
             self._check_constants()

@@ -381,7 +381,7 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
         "passed": passed,
     }
     (workdir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {tolerance:.0e}"
+    print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {tolerance:.2g}"
           f"{', against the quantized eager model' if quantized else ''}) over {stats['steps']} steps", flush=True)
     if quant:
         vs = quant["against_unquantized"]
