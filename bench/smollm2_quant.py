@@ -53,7 +53,7 @@ def hf_prefill(hf, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - t0)
 
 
-def llama_cpp(gguf: Path, context: list[int], prompt: list[int], steps: int, threads: int) -> tuple[float, float]:
+def llama_cpp_rates(gguf: Path, context: list[int], prompt: list[int], steps: int, threads: int) -> tuple[float, float]:
     """(decode tokens/s at batch 1, prefill tokens/s)."""
     from llama_cpp import Llama
 
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp as llama_cpp_module
     except ImportError:
         sys.exit("llama-cpp-python is not installed (pip install llama-cpp-python builds it from source); it is a baseline")
     torch.set_num_threads(args.threads)
@@ -109,7 +109,7 @@ def main() -> None:
         rows[name]["bytes"] = sum(info["bytes"] for f, info in record["artifacts"].items() if f.endswith((".pte", ".ptd")))
         print(name, {k: round(v, 1) for k, v in rows[name].items() if k != "bytes"}, flush=True)
         del session
-    decode, prefill = llama_cpp(gguf, context, prompt, args.steps, args.threads)
+    decode, prefill = llama_cpp_rates(gguf, context, prompt, args.steps, args.threads)
     rows["llama.cpp Q4_1"] = {1: decode, "prefill": prefill, "bytes": gguf.stat().st_size}
     print("llama.cpp", round(decode, 1), round(prefill, 1), flush=True)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -122,18 +122,18 @@ def main() -> None:
            f"S=1 / llama.cpp | S={max(args.seqs)} / llama.cpp S=1 | prefill {args.prefill} tok/s | size MB |\n"
     table = head + "|---" * (len(args.seqs) + 6) + "|\n"
     for name, r in rows.items():
-        cells = [f"{r[s]:.1f}" if s in r else "—" for s in args.seqs]
         top = max(args.seqs)
-        ratio = f"{r[top] / r[1]:.2f}x" if top in r and 1 in r and top != 1 else "—"
-        table += (f"| {name} | {' | '.join(cells)} | {ratio} | {r[1] / lcpp:.2f}x | "
-                  f"{(r[top] / lcpp if top in r else float('nan')):.2f}x | {r['prefill']:.1f} | "
-                  f"{r['bytes'] / 1e6 if 'bytes' in r else float('nan'):.1f} |\n")
+        cells = [f"{r[s]:.1f}" if s in r else "—" for s in args.seqs]
+        ratio = f"{r[top] / r[1]:.2f}x" if top in r and top != 1 else "—"
+        vs_top = f"{r[top] / lcpp:.2f}x" if top in r else "—"
+        size = f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "—"
+        table += (f"| {name} | {' | '.join(cells)} | {ratio} | {r[1] / lcpp:.2f}x | {vs_top} | {r['prefill']:.1f} | {size} |\n")
     print(table)
     cmd = f"python bench/smollm2_quant.py {' '.join(map(str, args.versions))}"
     write_section("smollm2_quant", f"## SmolLM2-135M-Instruct by quantization, XNNPACK, CPU, against llama.cpp\n\n"
                   f"`{cmd}` on {os.cpu_count()} CPU cores ({args.threads} threads everywhere), {time.strftime('%Y-%m-%d')}: "
                   f"decode with {args.context} tokens of context per sequence, median of {args.steps} steps; prefill of "
-                  f"a {args.prefill}-token prompt; llama.cpp (llama-cpp-python {llama_cpp.__version__}, batch 1) and "
+                  f"a {args.prefill}-token prompt; llama.cpp (llama-cpp-python {llama_cpp_module.__version__}, batch 1) and "
                   f"transformers eager (fp32) on the same GGUF in the same run. Our artifacts hold "
                   f"kv.max_seqs={max(args.seqs)} columns and serve S < max_seqs from the same program.\n\n{table}")
 
