@@ -285,34 +285,6 @@ def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) 
                                    f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
 
 
-def _quant_report(scripts: list[_Script], quant_cfg, validate_cfg) -> tuple[dict, list[str]]:
-    """A quantized artifact against the unquantized eager model, step by step (the scheme's cost)."""
-    agree = [a for s in scripts for a in s.float_agree]
-    agreement = sum(agree) / len(agree)
-    worst = max(e for s in scripts for e in s.float_errors)
-    report = {
-        "scheme": str(quant_cfg.scheme),
-        "oracle": "the eager target quantized the same way (torchao's reference; validate holds validate.quant_tolerance)",
-        "tolerance": validate_cfg.quant_tolerance,
-        "greedy_equals_oracle": {s.seq_id: all(s.oracle_agree) for s in scripts},
-        "against_unquantized": {
-            "max_relative_error": worst,
-            "token_agreement": agreement,
-            "min_token_agreement": validate_cfg.min_token_agreement,
-            "max_logit_error": validate_cfg.max_logit_error,
-            "per_step": {s.seq_id: {"relative_error": s.float_errors, "greedy_agrees": s.float_agree} for s in scripts},
-        },
-    }
-    failures = []
-    if agreement < validate_cfg.min_token_agreement:
-        failures.append(f"greedy tokens agree with the unquantized model on {agreement:.1%} of steps, under "
-                        f"validate.min_token_agreement={validate_cfg.min_token_agreement}")
-    if worst > validate_cfg.max_logit_error:
-        failures.append(f"the max relative logit error against the unquantized model {worst:.3e} exceeds "
-                        f"validate.max_logit_error={validate_cfg.max_logit_error}")
-    return report, failures
-
-
 def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, quant_cfg, inputs: dict, workdir: Path) -> dict:
     model, draft, vision = inputs["model"], inputs["draft"], inputs.get("vision")
     quantized = quant_cfg.scheme != "none"
@@ -346,7 +318,9 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
     failures = [] if passed else [f"max relative logit error {worst:.3e} exceeds {bound}={tolerance}"]
     quant = {}
     if quantized:
-        quant, quant_failures = _quant_report(scripts, quant_cfg, validate_cfg)
+        from pipeline.quant.validation import quant_report
+
+        quant, quant_failures = quant_report(scripts, quant_cfg, validate_cfg)
         failures += quant_failures
         passed = not failures
     images = {}
