@@ -160,4 +160,5 @@ def test_validate_fails_on_a_wrong_draft(batched, tmp_path):
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((batched / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="the draft's max relative logit error"):
-        validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, {"model": target, "draft": draft}, tmp_path)
+        validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, cfg.quant,
+                     {"model": target, "draft": draft}, tmp_path)

@@ -28,7 +28,7 @@ def lowered():
     out = {}
     for name, overrides in LAYOUTS.items():
         cfg = compose_config(*overrides)
-        exported = export.run(cfg.model, cfg.draft, {}, None)
+        exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, None)
         layout = build_layout(cfg.kv, exported["model"].args)
         ep = exported["exported"]["target_forward_from_embeddings"]
         spec = export.method_inputs(exported["model"].args, {"target": layout.step_width}, cfg.kv.max_seqs)[

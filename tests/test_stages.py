@@ -53,7 +53,8 @@ def test_compile_alone_writes_program_and_manifest(staged):
 def test_validate_alone_passes(staged):
     cfg = staged["cfg"]
     inputs = {**staged["export"], **staged["lower_kv"]}
-    report = validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, inputs, staged["work"])["validation"]
+    report = validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, cfg.quant, inputs,
+                          staged["work"])["validation"]
     assert report["passed"] and report["max_relative_error"] < 1e-5
     assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
 
@@ -67,7 +68,8 @@ def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
         (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):
         cfg = staged["cfg"]
-        validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, {"model": model, "draft": None}, tmp_path)
+        validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, cfg.quant,
+                     {"model": model, "draft": None}, tmp_path)
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["passed"] is False and report["max_relative_error"] > report["tolerance"]
 
