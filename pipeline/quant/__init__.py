@@ -130,11 +130,12 @@ def quantize(model, quant_cfg, model_cfg) -> dict:
 
     if quant_cfg.scheme == "none":
         return {"scheme": "none"}
-    floats = {name: m.weight.detach().clone() for name, m in _quantizable(model, quant_cfg)}
+    # every weight a scheme may quantize, as it was: the report's reference
+    floats = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     if model.output is None:  # untie: the head becomes a linear of its own, quantized as the others
         model.output = nn.Linear(model.args.dim, model.args.vocab_size, bias=False)
-        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone(), requires_grad=False)
-        floats["output"] = floats.get("tok_embeddings", model.output.weight.detach().clone())
+        model.output.weight = nn.Parameter(floats["tok_embeddings"].clone(), requires_grad=False)
+        floats["output"] = floats["tok_embeddings"]
     with torch.no_grad():
         if quant_cfg.scheme == "from_checkpoint":
             from pipeline.quant.gguf import apply_blocks
@@ -149,14 +150,6 @@ def quantize(model, quant_cfg, model_cfg) -> dict:
             "embedding": bool(quant_cfg.embedding), "describe": describe(quant_cfg),
             "reference": "llama.cpp's dequantization of the GGUF" if quant_cfg.scheme == "from_checkpoint" else "the float weights",
             "tensors": tensors, "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
-
-
-def _quantizable(model, quant_cfg):
-    from torch import nn
-
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or (quant_cfg.embedding and name == "tok_embeddings"):
-            yield name, module
 
 
 def _quantize_float(model, quant_cfg) -> dict[str, str]:
