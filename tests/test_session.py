@@ -200,3 +200,36 @@ def test_decode_step_may_be_wider_than_max_step_tokens(tmp_path):
     step_and_check(s, oracle, {i: [i + 7] for i in range(6)})
     with pytest.raises(SessionError, match="a step of 6 tokens exceeds the artifact's max_step_tokens=4"):
         s.step({0: [1, 2], 1: [3, 4], 2: [5, 6]})
+
+
+def test_attention_reads_only_the_rows_the_step_holds(batched):
+    """``read_rows_<kind>``'s length bounds the rows the CPU attention reads: the session sends every row
+    up to the last one a sequence of the step holds; one row fewer changes the logits (the size is
+    live in the program), and the store's rows past it are never read."""
+    s = Session(batched)
+    oracle = Oracle(*BATCHED)
+    gen = torch.Generator().manual_seed(5)
+    lengths = {"a": 9, "b": 14}
+    for seq_id, n in lengths.items():
+        s.add(seq_id)
+        oracle.add(seq_id)
+        step_and_check(s, oracle, {seq_id: torch.randint(0, 512, (n,), generator=gen).tolist()})
+    order = [(s.seqs[k], 1) for k in lengths]
+    values = s.kv_layout.step_buffer_values(order, [], s.pool)
+    assert [len(values[f"read_rows_{kind}"]) for kind in s.kv_layout.kinds] == [
+        min(max(lengths.values()) + 1, s.kv_layout.rows_of(kind)) for kind in s.kv_layout.kinds]
+    method = s.method("target_forward_from_embeddings")
+    emb = s.method("embed_text").execute([torch.tensor([17, 23])])[0]
+    pos = torch.tensor([s.seqs[k].length for k in lengths])
+    names = [b["name"] for b in s.kv["step_buffers"]]
+
+    def logits(**replace):
+        return method.execute([emb, pos, torch.arange(2), *[replace.get(n, values[n]) for n in names]])[0].clone()
+
+    full = logits()
+    assert torch.equal(logits(), full)  # the step rewrites the same rows with the same keys: repeatable
+    want = torch.stack([oracle.logits(k, [t]) for k, t in zip(lengths, (17, 23), strict=True)])
+    assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
+    short = logits(read_rows_flat=values["read_rows_flat"][:-1])
+    assert (short[1] - full[1]).abs().max() > 1e-3, "one row fewer must hide the longest sequence's last key"
+    assert torch.equal(short[0], full[0]), "the shorter sequence's rows all lie before the cut"

@@ -5,8 +5,15 @@ Token i of a step writes row ``(position % rows) * columns + seq_cols[i]`` of it
 flat layers have ``rows = capacity``, ring (sliding-window) layers ``rows = window +
 max_step_tokens - 1`` (fewer, ``capacity``, when flat layers bound every sequence to ``capacity``
 tokens). The attention reads each query's column through ``seq_info`` runs (``sequence_segments``).
+
+Rows fill from 0 (a flat layer never wraps; a ring wraps once it is full), so the rows a step's
+sequences hold are a prefix of each column: ``read_rows_<kind>`` (one per layer kind) has one entry
+per row up to the last row any of them holds, and on CPU backends the attention reads the store's
+first ``len(read_rows) * columns`` slots only. A decode then costs what its sequences hold, not the
+capacity.
 """
 
+import operator
 from dataclasses import dataclass
 
 from pipeline.kv.layouts import DTYPE_BYTES, KVLayout, LayerStore, Pool, SeqState, StepBuffer, sequence_segments
@@ -43,7 +50,8 @@ class SequenceLayout(KVLayout):
 
     def step_buffers(self) -> list[StepBuffer]:
         buffers = [StepBuffer("seq_cols", ("n_tokens",))] if self.columns > 1 else []
-        return buffers + [StepBuffer(f"seq_info_{kind}", (self.max_segments, 4)) for kind in self.kinds]
+        buffers += [StepBuffer(f"seq_info_{kind}", (self.max_segments, 4)) for kind in self.kinds]
+        return buffers + [StepBuffer(f"read_rows_{kind}", (f"rows_{kind}",)) for kind in self.kinds]
 
     def constants(self) -> dict[str, int]:
         constants = {"get_offgraph_kv_max_seqs": self.max_seqs, "get_offgraph_kv_seq_capacity": self.capacity}
@@ -68,9 +76,16 @@ class SequenceLayout(KVLayout):
                plans: dict, q_meta, v_meta):
         import torch
 
-        cols = step["seq_cols"] if "seq_cols" in step else call(torch.ops.aten.zeros_like.default, (pos,))
+        aten = torch.ops.aten
+        cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
         seq_info = step[f"seq_info_{layer.kind}"]
         if "sdpa_plan" not in kernel:
+            # the ATen attention reads (and gathers per query) the rows the step's sequences hold:
+            # the store's prefix of len(read_rows) rows of every column
+            n_read = call(aten.sym_size.int, (step[f"read_rows_{layer.kind}"], 0))
+            end = call(operator.mul, (n_read, self.columns))
+            k_store = call(aten.slice.Tensor, (k_store, 0, 0, end))
+            v_store = call(aten.slice.Tensor, (v_store, 0, 0, end))
             return call(kernel["sdpa_varlen"], (
                 q, k_store, v_store, pos, cols, seq_info, self.columns, scale, self.causal, layer.window))
         if layer.kind not in plans:  # every layer of a kind has the same bounds and shapes: one plan
@@ -91,6 +106,9 @@ class SequenceLayout(KVLayout):
             if segments:
                 info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
             buffers[f"seq_info_{kind}"] = info
+            # every row up to the last one a sequence of the step holds (at least one: the method's
+            # token axis is never empty)
+            buffers[f"read_rows_{kind}"] = torch.arange(max([first + count for _, first, count, _ in segments] or [1]))
         return buffers
 
 

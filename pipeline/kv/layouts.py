@@ -40,7 +40,9 @@ class LayerStore:
 @dataclass(frozen=True)
 class StepBuffer:
     name: str
-    shape: tuple  # ints, or "n_tokens" for the step's token axis
+    # ints, "n_tokens" for the step's token axis, or "rows_<kind>": a length from 1 to that layer
+    # kind's rows, set by the session each step (the buffer carries a size the graph reads)
+    shape: tuple
     dtype: str = "int64"
 
 
@@ -116,6 +118,13 @@ class KVLayout:
 
     def rows_of(self, kind: str) -> int:
         return next(layer.rows for layer in self.layers if layer.kind == kind)
+
+    def dim_bound(self, dim: str) -> int:
+        """The largest value of a step buffer's named dimension other than ``n_tokens``: ``rows_<kind>``."""
+        kind = dim.removeprefix("rows_")
+        if dim == kind or kind not in self.kinds:
+            raise ValueError(f"step buffer dimension {dim!r} is neither n_tokens nor rows_<kind> of {self.kinds}")
+        return self.rows_of(kind)
 
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)

@@ -64,11 +64,28 @@ def count_neutral(ep: ExportedProgram) -> int:
     return sum(1 for n in ep.graph.nodes if n.op == "call_function" and n.target == NEUTRAL_OP)
 
 
+def _example_size(layout: KVLayout, dim, n_tokens: int) -> int:
+    if isinstance(dim, int):
+        return dim
+    return n_tokens if dim == "n_tokens" else layout.dim_bound(dim)
+
+
 def _example_step_buffers(layout: KVLayout, n_tokens: int) -> tuple[torch.Tensor, ...]:
     return tuple(
-        torch.zeros([n_tokens if d == "n_tokens" else d for d in buf.shape], dtype=torch.int64)
+        torch.zeros([_example_size(layout, d, n_tokens) for d in buf.shape], dtype=torch.int64)
         for buf in layout.step_buffers()
     )
+
+
+def _step_buffer_dims(layout: KVLayout, token_dim) -> tuple:
+    """Dynamic shapes of the step buffers: the token axis, or ``rows_<kind>`` from 1 to that kind's rows."""
+    def dim(name):
+        if name == "n_tokens":
+            return token_dim
+        bound = layout.dim_bound(name)
+        return torch.export.Dim(name, min=1, max=bound) if bound > 1 else torch.export.Dim.STATIC
+
+    return tuple({0: dim(buf.shape[0])} if isinstance(buf.shape[0], str) else None for buf in layout.step_buffers())
 
 
 def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs, kernel: dict | None = None) -> ExportedProgram:
@@ -145,10 +162,7 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
 
     n_tokens = inputs.args[inputs.positions_arg].shape[0]  # the example's step width
     args = inputs.args + _example_step_buffers(layout, n_tokens)
-    dyn = inputs.dynamic_shapes + tuple(
-        {0: inputs.token_dim} if buf.shape[0] == "n_tokens" else None
-        for buf in layout.step_buffers()
-    )
+    dyn = inputs.dynamic_shapes + _step_buffer_dims(layout, inputs.token_dim)
     with torch.no_grad():
         lowered = torch.export.export(gm, args, dynamic_shapes=dyn, strict=False)
     if count_neutral(lowered):
