@@ -28,7 +28,8 @@ def test_layouts_from_config():
     batched = layout("kv.max_seqs=8")
     assert batched.layout == "batched-sequence" and batched.columns == 8 and batched.max_segments == 16
     assert batched.store_shape(batched.layers[1]) == (128 * 8, 2, 16)
-    assert [b.name for b in batched.step_buffers()] == ["seq_cols", "seq_info_flat", "seq_info_ring"]
+    assert [b.name for b in batched.step_buffers()] == [
+        "seq_cols", "seq_info_flat", "seq_info_ring", "read_rows_flat", "read_rows_ring"]
     cell = layout("kv=cell")
     assert cell.layout == "cell" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
     assert [b.name for b in cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]

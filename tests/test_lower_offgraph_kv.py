@@ -118,6 +118,7 @@ def test_lowered_numbers_equal_oracle(lowered, name):
             runs = [r for s in feeds for r in sequence_segments(lengths[s], layout.rows_of(kind), s)]
             info[: len(runs)] = torch.tensor(runs)
             step[f"seq_info_{kind}"] = info
+            step[f"read_rows_{kind}"] = torch.arange(max(first + count for _, first, count, _ in runs))
         last = torch.tensor(list(itertools_accumulate([len(t) for t in feeds.values()])))
         got = module(model.embed(torch.tensor(tokens)), torch.tensor(positions), last,
                      *[step[b.name] for b in layout.step_buffers()])
