@@ -1,12 +1,13 @@
 """CPU attention of the sequence layouts against a base revision's, side by side in one run.
 
 Builds `kv=sequence kv.capacity=<C> kv.max_seqs=S` (tiny, XNNPACK, stages export..compile) from this
-checkout and from a git worktree of --base, then times decode steps of one token per sequence through
-this checkout's Session on both artifacts, interleaved, for every S and context length. The base
-artifact's step method reads every row of the store; this one reads the rows the step's sequences
-hold (`read_rows_<kind>`), so its cost per sequence follows the context, not the capacity.
+checkout and from a git worktree of each --base revision, then times decode steps of one token per
+sequence through this checkout's Session on every artifact, interleaved, for every S and context
+length. b29facf's step method reads every row of the store and writes the store out of place (a
+copy of the whole store and a copy back per layer); 0f9b356 reads the rows the step's sequences hold
+(`read_rows_<kind>`); this checkout also writes the stores in place (ExecuTorch's reinplace pass).
 
-    python bench/cpu_attention.py [--base REV] [--capacity 1024] [--seqs 1 8] [--contexts 64 512]
+    python bench/cpu_attention.py [--base REV ...] [--capacity 1024] [--seqs 1 8] [--contexts 64 512]
 """
 
 import argparse
@@ -52,7 +53,7 @@ def build(src: Path, out: Path, capacity: int, seqs: int) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="b29facf", help="the revision to compare with (default: before read_rows)")
+    parser.add_argument("--base", nargs="+", default=["b29facf", "0f9b356"], help="revisions to compare with")
     parser.add_argument("--capacity", type=int, default=1024)
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
@@ -65,7 +66,7 @@ def main() -> None:
 
     torch.set_num_threads(torch_threads)
     root = Path(args.root)
-    sources = {"base": checkout(args.base, root), "this": REPO}
+    sources = {**{rev: checkout(rev, root) for rev in args.base}, "this": REPO}
     versions = {(label, s): build(src, root / label, args.capacity, s) for label, src in sources.items() for s in args.seqs}
     results = {}
     for seqs in args.seqs:
@@ -75,26 +76,27 @@ def main() -> None:
                 for label in sources:
                     runs[label].append(measure(versions[label, seqs], seqs, context, args.steps)["method_tok_s"])
             results[seqs, context] = {label: statistics.median(v) for label, v in runs.items()}
-            r = results[seqs, context]
-            print(f"S={seqs} context={context}: base {r['base']:.0f} tok/s, this {r['this']:.0f} tok/s "
-                  f"({r['this'] / r['base']:.2f}x)", flush=True)
-    lines = ["| S | context | base tok/s | this tok/s | this / base | this vs its S=1 | base vs its S=1 |",
-             "|---|---|---|---|---|---|---|"]
+            print(f"S={seqs} context={context}: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in
+                                                              results[seqs, context].items()), flush=True)
+    first = args.base[0]
+    labels = list(sources)
+    lines = ["| S | context | " + " | ".join(f"{k} tok/s" for k in labels) + f" | this / {first} | "
+             + " | ".join(f"{k} vs its S=1" for k in labels) + " |", "|---|---|" + "---|" * (2 * len(labels) + 1)]
     for (seqs, context), r in results.items():
         solo = results.get((1, context))
-        vs = (lambda k: f"{r[k] / solo[k]:.2f}x") if solo else (lambda k: "n/a")
-        lines.append(f"| {seqs} | {context} | {r['base']:.0f} | {r['this']:.0f} | {r['this'] / r['base']:.2f}x "
-                     f"| {vs('this')} | {vs('base')} |")
+        vs = [f"{r[k] / solo[k]:.2f}x" if solo else "n/a" for k in labels]
+        lines.append(f"| {seqs} | {context} | " + " | ".join(f"{r[k]:.0f}" for k in labels)
+                     + f" | {r['this'] / r[first]:.2f}x | " + " | ".join(vs) + " |")
     table = "\n".join(lines)
     print(table)
-    cmd = (f"python bench/cpu_attention.py --base {args.base} --capacity {args.capacity} --seqs "
+    cmd = (f"python bench/cpu_attention.py --base {' '.join(args.base)} --capacity {args.capacity} --seqs "
            f"{' '.join(map(str, args.seqs))} --contexts {' '.join(map(str, args.contexts))}")
     write_section("cpu_attention", f"## CPU attention: rows read per step, tiny model, XNNPACK, CPU\n\n"
                   f"`{cmd}` on {torch_threads} CPU cores, {time.strftime('%Y-%m-%d')}: `kv.capacity={args.capacity}`, "
                   f"every sequence holds `context` tokens; decode tokens/s of the step method alone (one token per "
-                  f"sequence), median of {args.steps} steps, median of {args.rounds} interleaved rounds. `base` is "
-                  f"{args.base}'s artifact (its attention reads all {args.capacity} rows of every query's column), "
-                  f"`this` reads the rows its sequences hold.\n\n{table}")
+                  f"sequence), median of {args.steps} steps, median of {args.rounds} interleaved rounds; each column is "
+                  f"the artifact built by that revision's code (see the script's docstring for what each "
+                  f"changes).\n\n{table}")
 
 
 if __name__ == "__main__":

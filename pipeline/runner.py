@@ -289,6 +289,8 @@ def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list
         record["kv_bytes_total"] = sum(m.get("kv_bytes_total", 0) for m in models.values())  # vision has no KV
     if quant := [f["quant"] for f in facts if "quant" in f]:
         record["quant"] = quant[0]  # the scheme, the group size, every quantized tensor's error
+    if partitions := [f["partitions"] for f in facts if "partitions" in f]:
+        record["partitions"] = partitions[0]  # backend delegates per method (compile)
     if passed := [f["validation_passed"] for f in facts if "validation_passed" in f]:
         record["validation_passed"] = passed[0]
     (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -344,6 +346,8 @@ def _facts(outputs: dict) -> dict:
         facts["kv_sections"] = outputs["kv_sections"]
     if "quant" in outputs:
         facts["quant"] = outputs["quant"]
+    if "partitions" in outputs:
+        facts["partitions"] = outputs["partitions"]
     if "validation" in outputs:
         facts["validation_passed"] = outputs["validation"]["passed"]
     return facts

@@ -4,7 +4,8 @@ that answers everything the stages ask of it.
     lower_kv   attention_kernel()    the sdpa_varlen implementation the store lowering calls
     compile    programs(lowered)     the graphs the backend compiles (custom ops it has no kernel
                                      for inlined as ATen), on copies where it edits them
-               partitioners(methods), edge_ir_check, share_mutable_buffers, write_data(...)
+               partitioners(methods), edge_ir_check, share_mutable_buffers, reinplace_stores,
+               write_data(...)
     validate   session(...)          the Session the episode drives, and what runs it
     runner     needs_gpu             compile and validate need a CUDA GPU
 
@@ -29,6 +30,10 @@ class Backend:
     edge_ir_check = True
     # KV stores as mutable buffers of the program, one set shared by every method
     share_mutable_buffers = True
+    # ExecuTorch's reinplace pass on the store writes: index_put_ into the buffer, where the
+    # functional index_put copies the whole store into a new tensor and copy_ writes it back, two
+    # copies of every row of every column per layer and step
+    reinplace_stores = True
 
     def attention_kernel(self) -> dict:
         """The ops lower_kv's store lowering calls: ``sdpa_varlen`` (and ``sdpa_plan`` where the

@@ -20,6 +20,7 @@ class Cuda(Backend):
     # the partitioner takes the stores into each method's delegate (constants named by their FQN in
     # the .ptd), and delegate inputs are planned in device memory
     share_mutable_buffers = False
+    reinplace_stores = False  # the store writes run inside the AOTI delegate
 
     def attention_kernel(self) -> dict:
         import torch

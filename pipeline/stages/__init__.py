@@ -29,7 +29,7 @@ STAGES = {
         Stage("export_vision", ("vision", "model"), (), ("vision", "vision_exported", "vision_section")),
         Stage("export", ("model", "draft", "quant"), (), ("model", "draft", "exported", "tokenizer", "quant")),
         Stage("lower_kv", ("model", "kv", "backend"), ("model", "draft", "exported"), ("layouts", "lowered", "kv_sections")),
-        Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer", "quant"), ("program", "manifest"),
+        Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer", "quant"), ("program", "manifest", "partitions"),
               optional=("vision_exported", "vision_section")),
         Stage("validate", ("validate", "vision", "model", "draft", "kv", "backend", "quant"), ("model", "draft", "lowered", "program"),
               ("validation",), optional=("vision", "vision_exported")),

@@ -1,7 +1,8 @@
 """compile: ExecuTorch program from the lowered methods; writes model.pte (+ .ptd) and manifest.json.
 
 needs: lowered, kv_sections, tokenizer, quant (and export_vision's vision_exported, vision_section)
-gives: program (path of model.pte), manifest
+gives: program (path of model.pte), manifest, partitions (backend delegates per method: compile's
+cost grows with them; build.json records them)
 
 What differs by backend (the graphs it compiles, its partitioners, memory planning, data files) is
 the backend object's (``pipeline/backends/``).
@@ -30,14 +31,15 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
         constant_methods=constant_methods(sections),
         compile_config=EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check),
     )
+    partitions = {}
     for name in programs:
         graph = edge.exported_program(name).graph
-        delegates = sum(1 for n in graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
-        print(f"  {name}: {delegates} {backend.name} partition{'s' * (delegates != 1)}", flush=True)
+        partitions[name] = sum(1 for n in graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
+        print(f"  {name}: {partitions[name]} {backend.name} partition{'s' * (partitions[name] != 1)}", flush=True)
     print("  to_executorch", flush=True)
     et = edge.to_executorch(ExecutorchBackendConfig(
         memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=backend.share_mutable_buffers),
-        emit_mutable_buffer_names=True,
+        emit_mutable_buffer_names=True, run_reinplace_pass=backend.reinplace_stores,
     ))
     program = workdir / "model.pte"
     with program.open("wb") as f:
@@ -50,4 +52,4 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     doc = manifest(sections, backend.name, program.name, data_files, methods, tokenizer)
     doc["quant"] = inputs["quant"]  # the weights' scheme, group size and per-tensor error (pipeline/quant)
     (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
-    return {"program": program, "manifest": doc}
+    return {"program": program, "manifest": doc, "partitions": partitions}
