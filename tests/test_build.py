@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import BATCHED, CELL, compose_config
@@ -92,6 +93,33 @@ def test_batched_sequence_build(build_dir):
     scenario = report["scenario"]
     assert scenario["max_live"] == 4 and len(scenario["sequences"]) == 5 and scenario["mixed_steps"] > 0
     assert max(s["prompt_tokens"] + s["decoded"] for s in scenario["sequences"]) > kv["layers"][0]["rows"], "rings wrap"
+
+
+def _step_method_ops(program) -> dict:
+    """Operator name -> instructions of the step method in a .pte."""
+    import collections
+
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    prog = deserialize_pte_binary(program.read_bytes())
+    prog = getattr(prog, "program", prog)
+    plan = next(p for p in prog.execution_plan if p.name == "target_forward_from_embeddings")
+    names = [o.name + (f".{o.overload}" if o.overload else "") for o in plan.operators]
+    return collections.Counter(names[i.instr_args.op_index] for chain in plan.chains for i in chain.instructions
+                               if hasattr(i.instr_args, "op_index"))
+
+
+@pytest.mark.parametrize("overrides", [BATCHED, CELL], ids=["batched-sequence", "cell"])
+def test_store_writes_are_in_place(build_dir, overrides):
+    """Every layer writes its K and V stores with index_put_ into the program's buffer: no functional
+    index_put (a copy of the whole store) and no copy_ writing it back, per layer and step."""
+    version = build_dir(*overrides)
+    ops = _step_method_ops(version / "model.pte")
+    n_layers = len(json.loads((version / "manifest.json").read_text())["target"]["layers"])
+    assert ops["aten::index_put_"] == 2 * n_layers, ops
+    assert not ops["aten::index_put.out"] and not ops["aten::copy_"], ops
+    record = json.loads((version / "build.json").read_text())
+    assert record["partitions"]["target_forward_from_embeddings"] > 0 and record["partitions"]["embed_text"] == 0
 
 
 def test_cell_build(build_dir):

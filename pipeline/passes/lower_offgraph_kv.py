@@ -138,8 +138,10 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
                 slots_by_kind[layer.kind] = layout.write_slots(call, pos, layer, step)
             slots = slots_by_kind[layer.kind]
 
-            def tokens_first(x):  # [1, H, T, D] -> [T, H, D]
-                return call(aten.permute.default, (call(aten.select.int, (x, 0, 0)), [1, 0, 2]))
+            def tokens_first(x):  # [1, H, T, D] -> [T, H, D]; a view, not select: XNNPACK takes views
+                # (with one dynamic size) into the partition around it, a select would split it
+                heads, dim = x.meta["val"].shape[1], x.meta["val"].shape[3]
+                return call(aten.view.default, (call(aten.permute.default, (x, [0, 2, 1, 3])), [-1, heads, dim]))
 
             def to_store(x, like):
                 store_dtype = layout.torch_dtype
@@ -149,7 +151,8 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
             v_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
             out = layout.attend(call, tokens_first(q), k_store, v_store, pos, layer, step, scale, kernel,
                                 plans_by_kind, q.meta["val"], v.meta["val"])
-            out = call(aten.unsqueeze.default, (call(aten.permute.default, (out, [1, 0, 2])), 0))  # [1, Hq, T, Dv]
+            n_heads, dv = q.meta["val"].shape[1], v.meta["val"].shape[3]
+            out = call(aten.view.default, (call(aten.permute.default, (out, [1, 0, 2])), [1, n_heads, -1, dv]))  # [1, Hq, T, Dv]
             if out_dtype != q.meta["val"].dtype:  # the attention ops return q's dtype
                 out = call(aten._to_copy.default, (out,), {"dtype": out_dtype})
         node.replace_all_uses_with(out)
