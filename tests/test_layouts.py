@@ -33,6 +33,7 @@ def test_layouts_from_config():
     cell = layout("kv=cell")
     assert cell.layout == "cell" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
     assert [b.name for b in cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
+    assert [b.shape for b in cell.step_buffers()][2:] == [("cells",), ("cells",)] and cell.dim_bound("cells") == 512
     # K and V, 4 layers: 2 * rows * columns * Hkv * D * 4 bytes
     assert batched.kv_bytes_per_layer() == [2 * r * 8 * 2 * 16 * 4 for r in (31, 128, 31, 128)]
 

@@ -233,3 +233,40 @@ def test_attention_reads_only_the_rows_the_step_holds(batched):
     short = logits(read_rows_flat=values["read_rows_flat"][:-1])
     assert (short[1] - full[1]).abs().max() > 1e-3, "one row fewer must hide the longest sequence's last key"
     assert torch.equal(short[0], full[0]), "the shorter sequence's rows all lie before the cut"
+
+
+def test_cell_attention_reads_the_pool_prefix_in_use(build_dir):
+    """The pool hands out its lowest free cells (released ones too), and ``cell_pos``/``cell_owners``
+    cover the cells up to the last one owned: the attention reads that prefix of the pool; one cell
+    fewer hides the last key."""
+    s = Session(build_dir(*CELL))
+    oracle = Oracle(*CELL)
+    for seq_id, n in (("a", 6), ("b", 4)):
+        s.add(seq_id)
+        oracle.add(seq_id)
+        step_and_check(s, oracle, {seq_id: list(range(1, n + 1))})
+    s.release("a")  # cells 0..5 free again: the next step takes them before any higher cell
+    s.add("c")
+    oracle.add("c")
+    step_and_check(s, oracle, {"c": [9, 8, 7]})
+    assert s.seqs["c"].cells == [0, 1, 2]
+    order = [(s.seqs["b"], 1), (s.seqs["c"], 1)]
+    chosen = s.pool.choose(2)
+    assert chosen == [3, 4]
+    values = s.kv_layout.step_buffer_values(order, chosen, s.pool)
+    assert len(values["cell_pos"]) == len(values["cell_owners"]) == 10  # b's cells end at 9
+    method = s.method("target_forward_from_embeddings")
+    emb = s.method("embed_text").execute([torch.tensor([17, 23])])[0]
+    pos = torch.tensor([s.seqs["b"].length, s.seqs["c"].length])
+    names = [b["name"] for b in s.kv["step_buffers"]]
+
+    def logits(cut=0):
+        args = [values[n][: len(values[n]) - cut] if n in ("cell_pos", "cell_owners") else values[n] for n in names]
+        return method.execute([emb, pos, torch.arange(2), *args])[0].clone()
+
+    full = logits()
+    want = torch.stack([oracle.logits("b", [17]), oracle.logits("c", [23])])
+    assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
+    short = logits(cut=1)
+    assert (short[0] - full[0]).abs().max() > 1e-3, "one cell fewer must hide b's last key"
+    assert torch.equal(short[1], full[1]), "c's cells all lie before the cut"

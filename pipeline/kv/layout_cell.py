@@ -3,8 +3,13 @@
 The session chooses the cells a step writes (``cell_ids``) and keeps, per cell, its position and
 its owners (an int64 bitset, one bit per sequence slot: at most 63 sequences). A query attends to
 the cells whose owners include its sequence's bit (``q_seq_bits``), by position, causal and window.
+
+The pool hands out its lowest free cells, so the cells in use stay a prefix: ``cell_pos`` and
+``cell_owners`` cover the cells up to the last one owned (after the step's writes), and the
+attention reads that prefix of the stores, not the whole pool.
 """
 
+import bisect
 from dataclasses import dataclass
 
 from pipeline.errors import SessionError
@@ -40,9 +45,14 @@ class CellLayout(KVLayout):
         return [
             StepBuffer("cell_ids", ("n_tokens",)),
             StepBuffer("q_seq_bits", ("n_tokens",)),
-            StepBuffer("cell_pos", (self.capacity,)),
-            StepBuffer("cell_owners", (self.capacity,)),
+            StepBuffer("cell_pos", ("cells",)),
+            StepBuffer("cell_owners", ("cells",)),
         ]
+
+    def dim_bound(self, dim: str) -> int:
+        if dim != "cells":
+            raise ValueError(f"step buffer dimension {dim!r} is neither n_tokens nor cells")
+        return self.capacity
 
     def constants(self) -> dict[str, int]:
         # a cell artifact declares its pool, and no sequence count (that marks the sequence paths)
@@ -64,6 +74,10 @@ class CellLayout(KVLayout):
                plans: dict, q_meta, v_meta):
         import torch
 
+        # the cells up to the last one owned: the stores' prefix as long as cell_pos
+        n_cells = call(torch.ops.aten.sym_size.int, (step["cell_pos"], 0))
+        k_store = call(torch.ops.aten.slice.Tensor, (k_store, 0, 0, n_cells))
+        v_store = call(torch.ops.aten.slice.Tensor, (v_store, 0, 0, n_cells))
         return call(torch.ops.kvcache.sdpa_cells.default, (
             q, k_store, v_store, pos, step["q_seq_bits"], step["cell_pos"], step["cell_owners"],
             scale, self.causal, layer.window))
@@ -82,8 +96,10 @@ class CellLayout(KVLayout):
                 cell = next(taken)
                 cell_pos[cell], cell_owners[cell] = seq.length + i, 1 << seq.slot
                 bits.append(1 << seq.slot)
+        owned = cell_owners.nonzero()
+        n_cells = int(owned[-1]) + 1 if len(owned) else 1  # a step writes at least one cell
         return {"cell_ids": torch.tensor(chosen, dtype=torch.int64), "q_seq_bits": torch.tensor(bits, dtype=torch.int64),
-                "cell_pos": cell_pos, "cell_owners": cell_owners}
+                "cell_pos": cell_pos[:n_cells], "cell_owners": cell_owners[:n_cells]}
 
 
 class CellPool(Pool):
@@ -120,7 +136,7 @@ class CellPool(Pool):
         for cell in seq.cells:
             self.cell_owners[cell] &= ~bit
             if self.cell_owners[cell] == 0:
-                self.free_cells.append(cell)
+                bisect.insort(self.free_cells, cell)  # lowest first: the cells in use stay a prefix
 
     def snapshot(self) -> tuple:
         return list(self.free_cells), self.cell_pos.clone(), self.cell_owners.clone()
