@@ -61,15 +61,19 @@ def main() -> None:
             times, partitions[label] = one_build(src, args.overrides)
             rows[label].append(times)
             print(f"run {run + 1} {label}: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()), flush=True)
-    keys = list(rows["this"][0])
-    median = {label: {k: statistics.median(r[k] for r in runs) for k in keys} for label, runs in rows.items()}
+    keys = list(dict.fromkeys(k for runs in rows.values() for r in runs for k in r))  # a revision may lack a stage
+    median = {label: {k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}
+              for label, runs in rows.items()}
     lines = ["| build | " + " | ".join(keys) + " | partitions per method |", "|---|" + "---|" * (len(keys) + 1)]
     for label in sources:
         parts = ", ".join(f"{m} {n}" for m, n in partitions[label].items())
-        lines.append(f"| {label} | " + " | ".join(f"{median[label].get(k, 0):.1f} s" for k in keys) + f" | {parts} |")
+        lines.append(f"| {label} | " + " | ".join(f"{median[label][k]:.1f} s" if k in median[label] else "—" for k in keys) + f" | {parts} |")
     if args.base:
-        ratio = lambda k: median["this"][k] / median[args.base][k] if median[args.base].get(k) else float("nan")  # noqa: E731
-        lines.append("| this / base | " + " | ".join(f"{ratio(k):.2f}x" for k in keys) + " | |")
+        def ratio(k):
+            both = median["this"].get(k) is not None and median[args.base].get(k)
+            return f"{median['this'][k] / median[args.base][k]:.2f}x" if both else "—"
+
+        lines.append("| this / base | " + " | ".join(ratio(k) for k in keys) + " | |")
     table = "\n".join(lines)
     print(table)
     cmd = " ".join(["python bench/build_time.py", f"--runs {args.runs}", *([f"--base {args.base}"] if args.base else []),
