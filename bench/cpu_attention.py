@@ -91,7 +91,8 @@ def main() -> None:
     print(table)
     cmd = (f"python bench/cpu_attention.py --base {' '.join(args.base)} --capacity {args.capacity} --seqs "
            f"{' '.join(map(str, args.seqs))} --contexts {' '.join(map(str, args.contexts))}")
-    write_section("cpu_attention", f"## CPU attention: rows read per step, tiny model, XNNPACK, CPU\n\n"
+    section = "cpu_attention" if args.capacity == 1024 else f"cpu_attention_c{args.capacity}"  # one per capacity
+    write_section(section, f"## CPU attention at kv.capacity={args.capacity}: rows read per step, tiny model, XNNPACK, CPU\n\n"
                   f"`{cmd}` on {torch_threads} CPU cores, {time.strftime('%Y-%m-%d')}: `kv.capacity={args.capacity}`, "
                   f"every sequence holds `context` tokens; decode tokens/s of the step method alone (one token per "
                   f"sequence), median of {args.steps} steps, median of {args.rounds} interleaved rounds; each column is "
