@@ -100,7 +100,7 @@ def main() -> None:
                   f"`{cmd}` on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}. Every sequence holds "
                   f"{args.context} tokens of context; median of {args.steps} decode steps of one token per sequence. "
                   f"`vs S=1` compares with the solo artifact (for cell, with the cell artifact at S=1). The cell pool "
-                  f"holds max(512, 160 S) cells, and the ATen cell attention reads the whole pool.\n\n{table}")
+                  f"holds max(512, 160 S) cells, and the ATen cell attention reads the pool's cells up to the last one in use.\n\n{table}")
 
 
 if __name__ == "__main__":
