@@ -109,17 +109,19 @@ def _step_method_ops(program) -> dict:
                                if hasattr(i.instr_args, "op_index"))
 
 
-@pytest.mark.parametrize("overrides", [BATCHED, CELL], ids=["batched-sequence", "cell"])
+@pytest.mark.parametrize("overrides", [(), BATCHED, CELL], ids=["sequence-xnnpack", "batched-sequence", "cell"])
 def test_store_writes_are_in_place(build_dir, overrides):
     """Every layer writes its K and V stores with index_put_ into the program's buffer: no functional
-    index_put (a copy of the whole store) and no copy_ writing it back, per layer and step."""
+    index_put (a copy of the whole store) and no copy_ writing it back, per layer and step. build.json
+    records the backend's partitions per method (XNNPACK's; portable has none)."""
     version = build_dir(*overrides)
     ops = _step_method_ops(version / "model.pte")
-    n_layers = len(json.loads((version / "manifest.json").read_text())["target"]["layers"])
-    assert ops["aten::index_put_"] == 2 * n_layers, ops
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert ops["aten::index_put_"] == 2 * len(manifest["target"]["layers"]), ops
     assert not ops["aten::index_put.out"] and not ops["aten::copy_"], ops
-    record = json.loads((version / "build.json").read_text())
-    assert record["partitions"]["target_forward_from_embeddings"] > 0 and record["partitions"]["embed_text"] == 0
+    partitions = json.loads((version / "build.json").read_text())["partitions"]
+    assert set(partitions) == {"embed_text", "target_forward_from_embeddings"} and partitions["embed_text"] == 0
+    assert (partitions["target_forward_from_embeddings"] > 0) == (manifest["backend"] == "xnnpack"), partitions
 
 
 def test_cell_build(build_dir):
