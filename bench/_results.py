@@ -1,9 +1,11 @@
 """Each benchmark owns one section of docs/benchmarks.md, between markers."""
 
 import re
+import subprocess
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun it to refresh.\n"
 
 
@@ -14,3 +16,12 @@ def write_section(name: str, body: str) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     RESULTS.write_text(text)
     print(f"wrote section '{name}' of {RESULTS}")
+
+
+def checkout(rev: str, root: Path) -> Path:
+    """A git worktree of ``rev`` under ``root`` (made once), to build an earlier revision side by side."""
+    src = Path(root) / f"src-{rev}"
+    if not src.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(src), rev], check=True,
+                       capture_output=True)
+    return src

@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
+from _results import REPO, checkout, write_section  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 PARTITIONS = re.compile(r"^\s+(\w+): (\d+) \w+ partitions?$", re.M)
 
 
@@ -49,11 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     sources = {"this": REPO}
     if args.base:
-        src = Path(args.worktrees) / f"src-{args.base}"
-        if not src.exists():
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(src), args.base],
-                           check=True, capture_output=True)
-        sources = {args.base: src, "this": REPO}
+        sources = {args.base: checkout(args.base, Path(args.worktrees)), "this": REPO}
     rows = {label: [] for label in sources}
     partitions = {}
     for run in range(args.runs):

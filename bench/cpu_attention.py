@@ -22,18 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import measure  # noqa: E402
 
-from _results import write_section  # noqa: E402
+from _results import REPO, checkout, write_section  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 warnings.filterwarnings("ignore")
-
-
-def checkout(rev: str, root: Path) -> Path:
-    src = root / f"src-{rev}"
-    if not src.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(src), rev], check=True,
-                       capture_output=True)
-    return src
 
 
 def build(src: Path, out: Path, capacity: int, seqs: int) -> Path:
