@@ -67,7 +67,7 @@ def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, sche
     validation = json.loads((version / "validation.json").read_text())
     assert validation["passed"] and validation["tolerance"] == cfg.validate.quant_tolerance
     q = validation["quant"]
-    assert all(q["greedy_equals_oracle"].values())  # every step's greedy token is the quantized eager model's
+    assert q["greedy_agreement_with_oracle"] >= 0.9  # greedy tokens are the quantized eager model's, but for near ties
     assert 0 < q["against_unquantized"]["max_relative_error"] <= cfg.validate.max_logit_error
     assert q["against_unquantized"]["token_agreement"] >= cfg.validate.min_token_agreement
 
@@ -86,12 +86,11 @@ def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, sche
     assert all(t["relative_rms_error"] > 0 for t in record["tensors"].values())
 
 
-@pytest.mark.parametrize("scheme,bound", [("int8", 1e-6), ("int4", 3e-3)])
+@pytest.mark.parametrize("scheme,bound", [("int8", 1e-6), ("int4", 1e-6)])
 def test_one_quantized_linear_matches_torchao(scheme, bound):
     """One linear of the quantized model through XNNPACK against torchao's reference on the layer's own
-    activations: int8 matches to fp32 rounding, int4 to XNNPACK's bfloat16 group scales. (A whole deep
-    model does not: the activation rounding's discontinuity amplifies fp32 differences; see
-    docs/design.md.)"""
+    activations: both to fp32 rounding (int4 because the oracle's scales are bfloat16, as XNNPACK
+    stores them: with float32 scales this is 1.0e-3)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
@@ -128,8 +127,11 @@ def _gguf_config(tmp_path, qtype: str, embedding: str | None = None):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_1"])
 def test_gguf_blocks_kept_without_a_float_round_trip(tmp_path, qtype):
     """Each mapped tensor against llama.cpp's dequantization of the same file (the loader's weights, by
-    the gguf package): bit for bit for Q4_0 (4-bit groups) and Q8_0 (8-bit embedding rows); for Q4_1
-    the integers and scales are exact and the offset term ``m + 8 d`` is one float32 rounding."""
+    the gguf package): bit for bit for the embedding rows (Q4_0 and Q8_0: their ops take float32 scales); for the 4-bit
+    groups the integers are llama.cpp's and each scale is llama.cpp's float16 ``d`` rounded to
+    bfloat16, as XNNPACK stores it, so every weight is within 2^-8 of its own value (an integer off by
+    one would be off by ``d``, a zero weight must stay zero); for Q4_1 the offset term ``m + 8 d`` adds
+    one float32 rounding."""
     from pipeline.quant.gguf import OffsetLinear
 
     cfg, _ = _gguf_config(tmp_path, qtype)
@@ -140,15 +142,21 @@ def test_gguf_blocks_kept_without_a_float_round_trip(tmp_path, qtype):
     report = quantize(model, cfg.quant, cfg.model)
     for name, stats in report["tensors"].items():
         got = dequantized(model, name)
-        if qtype == "Q4_0" or (qtype == "Q8_0" and name == "tok_embeddings"):
+        if qtype in ("Q4_0", "Q8_0") and name == "tok_embeddings":  # the embedding ops take float32 scales
             assert "kept" in stats["format"] and torch.equal(got, want[name]), (name, stats)
             assert stats["bit_exact"]
+        elif qtype == "Q4_0":
+            w = model.get_submodule(name).weight
+            assert "kept" in stats["format"] and torch.equal(w.scale, w.scale.bfloat16().float())
+            assert bool(((got - want[name]).abs() <= 2.0 ** -8 * want[name].abs()).all()), (name, stats)
         elif qtype == "Q4_1" and name != "tok_embeddings":
             module = model.get_submodule(name)
             assert isinstance(module, OffsetLinear)
             w = module.inner.weight
-            assert w.qdata.min() >= -8 and w.qdata.max() <= 7
-            assert float((got - want[name]).abs().max()) <= 4 * torch.finfo(torch.float32).eps * float(want[name].abs().max())
+            assert w.qdata.min() >= -8 and w.qdata.max() <= 7 and torch.equal(w.scale, w.scale.bfloat16().float())
+            # |q - 8| |d - bf16(d)| <= 8 * 2^-8 |d| < 1.01 * 2^-5 |bf16(d)|, plus the float32 rounding of m + 8 d
+            bound = 1.01 * 2.0 ** -5 * w.scale.abs().repeat_interleave(32, dim=1) + 4 * torch.finfo(torch.float32).eps * want[name].abs().max()
+            assert bool(((got - want[name]).abs() <= bound).all()), (name, stats)
         elif qtype == "Q8_0":  # a Q8_0 linear: requantized per channel (XNNPACK has no 8-bit groups)
             assert "requantized" in stats["format"] and not stats["bit_exact"]
             assert stats["relative_rms_error"] < 1e-2
@@ -157,7 +165,8 @@ def test_gguf_blocks_kept_without_a_float_round_trip(tmp_path, qtype):
 
 
 def test_gguf_block_comparison_can_fail(tmp_path, monkeypatch):
-    """The bit-for-bit check above catches a wrong nibble order (columns j and j + 16 swapped)."""
+    """The check above (each weight within 2^-8 of llama.cpp's) catches a wrong nibble order (columns j and
+    j + 16 swapped)."""
     from pipeline.quant import gguf as quant_gguf
 
     real = quant_gguf.blocks
@@ -174,7 +183,8 @@ def test_gguf_block_comparison_can_fail(tmp_path, monkeypatch):
     want = model.layers[0].feed_forward.w2.weight.detach().clone()
     monkeypatch.setattr(quant_gguf, "blocks", swapped)
     quantize(model, cfg.quant, cfg.model)
-    assert not torch.equal(dequantized(model, "layers.0.feed_forward.w2"), want)
+    got = dequantized(model, "layers.0.feed_forward.w2")
+    assert not bool(((got - want).abs() <= 2.0 ** -8 * want.abs()).all())
 
 
 def test_from_checkpoint_artifact(build_dir, tmp_path_factory):
@@ -187,7 +197,7 @@ def test_from_checkpoint_artifact(build_dir, tmp_path_factory):
     version = build_dir(f"+model.checkpoint={path}", "quant=from_checkpoint", "validate.decode_steps=16",
                         "experiment_name=q_gguf")
     validation = json.loads((version / "validation.json").read_text())
-    assert validation["passed"] and all(validation["quant"]["greedy_equals_oracle"].values())
+    assert validation["passed"] and validation["quant"]["greedy_agreement_with_oracle"] >= 0.9
     tensors = json.loads((version / "build.json").read_text())["quant"]["tensors"]
     assert tensors["tok_embeddings"]["bit_exact"] and "Q8_0 blocks kept" in tensors["tok_embeddings"]["format"]
     assert "requantized" in tensors["output"]["format"]  # the tied head: XNNPACK has no 8-bit groups
@@ -207,9 +217,10 @@ def test_from_checkpoint_refuses_an_unquantized_gguf(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "measured: the .pte's greedy tokens leave the quantized eager model's within a few tokens (2 of the 9 "
-    "validation sequences agree over 40 steps): on 30 layers the two are different draws of the dynamic "
-    "activation rounding (docs/design.md, Weight quantization); single linears agree to 1.2e-3"))
+    "measured: the int4 SmolLM2 is chaotic under its dynamic activation rounding: multiplying the eager "
+    "model's input embeddings by 1 + 1e-7 * noise moves its logits by 8e-2 of their range and changes 10% "
+    "of greedy tokens, and the .pte (whose linears match the oracle to 1e-7) differs by 1.1e-1; a 32-token "
+    "free-running continuation leaves the oracle's within a few tokens (docs/design.md, Weight quantization)"))
 def test_smollm2_int4_eight_prompts_match_the_quantized_eager_model(tmp_path):
     """``model=smollm2_135m quant=int4 kv.max_seqs=8``: built and validated; the session decodes 8 text
     prompts at once, and the first 32 greedy tokens of 3 of them equal the quantized eager model's

@@ -19,8 +19,11 @@ llama.cpp's blocks are 32 columns of one row:
   llama.cpp's dequantized values: a float round trip, recorded as such.
 
 Where the runtime differs: XNNPACK stores a 4-bit group's scale as bfloat16 (ExecuTorch's XNNPACK
-serialiser casts it), so a float16 ``d`` loses its 3 lowest mantissa bits inside the ``.pte``; the
-graph and the eager oracle hold it exactly. Float tensors (F32 / F16 / BF16) stay float.
+serialiser casts it), so a float16 ``d`` loses its 3 lowest mantissa bits inside the ``.pte``. The
+oracle computes with the same bfloat16 scales (``round_scales_as_xnnpack``), so a Q4 linear's
+integers are llama.cpp's and its scales llama.cpp's rounded to bfloat16, recorded per tensor as
+the error against llama.cpp's dequantization; a Q8_0 embedding is bit for bit (its kernel takes
+float32 scales). Float tensors (F32 / F16 / BF16) stay float.
 """
 
 from pathlib import Path
@@ -130,10 +133,10 @@ def apply_blocks(model, model_cfg, quant_cfg) -> dict[str, str]:
         owner = model.get_submodule(parent) if parent else model
         if kind == "Q4_0":
             getattr(owner, leaf).weight = nn.Parameter(int4_weight(b["q"] - 8, b["d"]), requires_grad=False)
-            formats[module_name] = "Q4_0 blocks kept (int4 g32, 8da4w)"
+            formats[module_name] = "Q4_0 blocks kept (int4 g32, scales as bf16, 8da4w)"
         elif kind == "Q4_1":
             setattr(owner, leaf, OffsetLinear(b["q"], b["d"], b["m"]))
-            formats[module_name] = "Q4_1 blocks kept (int4 g32 + offsets x 32-column sums, 8da4w)"
+            formats[module_name] = "Q4_1 blocks kept (int4 g32, scales as bf16, + offsets x 32-column sums, 8da4w)"
         else:  # Q8_0 linear: XNNPACK has no 8-bit groups
             requantize.append(module_name)
             formats[module_name] = "Q8_0 requantized to int8 per channel (8da8w; a float round trip)"
