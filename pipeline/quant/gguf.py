@@ -4,15 +4,15 @@ trip where the formats allow.
 llama.cpp's blocks are 32 columns of one row:
 
 - **Q4_0**: a float16 scale ``d`` and 32 unsigned nibbles ``q``; the weight is ``(q - 8) * d``. That is
-  a symmetric 4-bit group of 32 exactly: ``q - 8`` in [-8, 7] with scale ``d`` (torchao's
+  a symmetric 4-bit group of 32 (its scale rounded to bfloat16, below): ``q - 8`` in [-8, 7] with scale ``d`` (torchao's
   ``IntxUnpackedToInt8Tensor``, which lowers to XNNPACK's qb4w).
 - **Q4_1**: ``d``, an offset ``m`` (float16) and 32 nibbles; the weight is ``q * d + m``. XNNPACK's
   4-bit kernels are symmetric (no per-group zero point), so the block becomes the symmetric group
   ``(q - 8, d)`` plus a correction: ``x . w = sum_b d_b (x_b . (q_b - 8)) + (m_b + 8 d_b) sum(x_b)``,
-  the second term a float linear of the 32-column sums of ``x`` (``OffsetLinear``). The integers and
-  scales are exact; ``m + 8 d`` is one float32 rounding, so the dequantized weight can differ from
-  llama.cpp's by an ulp of ``m + 8 d`` (the report records it; on SmolLM2's 210 Q4_1 tensors it
-  did not: every one is bit for bit).
+  the second term a float linear of the 32-column sums of ``x`` (``OffsetLinear``). The integers are
+  exact; ``m + 8 d`` is one float32 rounding (an ulp at most), and ``d`` is rounded to bfloat16
+  as below, so a weight differs from llama.cpp's by up to ``|q - 8| |d - bf16(d)|`` (the report
+  records it per tensor).
 - **Q8_0**: ``d`` and 32 int8 ``q``; the weight is ``q * d``. ExecuTorch's 8-bit embedding takes
   groups of 32 exactly. XNNPACK has no 8-bit groups for linears, so a Q8_0 *linear* (a head tied to a
   Q8_0 embedding, as in SmolLM2's GGUF) is requantized to 8 bits per output channel from
