@@ -5,8 +5,7 @@ def quant_report(scripts: list, quant_cfg, validate_cfg) -> tuple[dict, list[str
     """A quantized artifact against the unquantized eager model, step by step (the scheme's cost);
     ``scripts``: the validation episode's sequences (``validate._Script``), their errors and agreements
     recorded step by step."""
-    agree = [a for s in scripts for a in s.float_agree]
-    agreement = sum(agree) / len(agree)
+    agreement = _rate([a for s in scripts for a in s.float_agree])
     worst = max(e for s in scripts for e in s.float_errors)
     report = {
         "scheme": str(quant_cfg.scheme),
@@ -15,7 +14,7 @@ def quant_report(scripts: list, quant_cfg, validate_cfg) -> tuple[dict, list[str
         "greedy_equals_oracle": {s.seq_id: all(s.oracle_agree) for s in scripts},
         # on the same tokens (each step feeds the .pte's token to both): the dynamic activation
         # rounding makes a deep model chaotic, so this is a rate, not a rule (docs/design.md)
-        "greedy_agreement_with_oracle": sum(a for s in scripts for a in s.oracle_agree) / len(agree),
+        "greedy_agreement_with_oracle": _rate([a for s in scripts for a in s.oracle_agree]),
         "against_unquantized": {
             "max_relative_error": worst,
             "token_agreement": agreement,
@@ -32,3 +31,7 @@ def quant_report(scripts: list, quant_cfg, validate_cfg) -> tuple[dict, list[str
         failures.append(f"the max relative logit error against the unquantized model {worst:.3e} exceeds "
                         f"validate.max_logit_error={validate_cfg.max_logit_error}")
     return report, failures
+
+
+def _rate(flags: list[bool]) -> float:
+    return sum(flags) / len(flags)
