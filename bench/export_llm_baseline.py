@@ -76,7 +76,8 @@ def export(checkpoint: Path, params: Path, out: Path, max_seq: int) -> tuple[Pat
            f"base.checkpoint={checkpoint}", f"base.params={params}", "model.use_kv_cache=true",
            "model.enable_dynamic_shape=true", "backend.xnnpack.enabled=true", "quantization.qmode=8da4w",
            "quantization.group_size=32", f"export.max_seq_length={max_seq}", f"export.max_context_length={max_seq}",
-           f"export.output_dir={out}", f"export.output_name={pte.name}"]
+           # an output name ending in .pte is taken as the path itself (export_llm ignores output_dir then)
+           f"export.output_dir={out}", f"export.output_name={pte}"]
     print("export:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     with (out / "export.log").open("w") as log:
@@ -123,13 +124,14 @@ def main() -> None:
     parser.add_argument("--ours", type=Path, help="our int4 SmolLM2 artifact (a version directory) to time beside it")
     parser.add_argument("--ours-build-s", type=float, help="our int4 build's seconds (its build.json), for the ratio")
     parser.add_argument("--skip-export", action="store_true", help="reuse --out's .pte")
+    parser.add_argument("--export-s", type=float, help="with --skip-export: the earlier export's seconds, for the ratio")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    pte, export_s = args.out / "smollm2_8da4w.pte", None
+    pte, export_s = args.out / "smollm2_8da4w.pte", args.export_s
     if not args.skip_export:
         checkpoint, params = convert(gguf_path(), args.out)
         pte, export_s = export(checkpoint, params, args.out, max_seq=args.context + args.steps + 8)

@@ -1,6 +1,6 @@
 """Benchmark of the Triton ``sdpa_varlen`` kernels (plan + attention) on one CUDA GPU.
 
-    PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py [--quick] [--out PATH]
+    PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py [--quick] [--out PATH] [--compare OLD_MODULE.py]
 
 Times (median over CUDA-graph replays, KV rotated over several buffers so the
 working set is far above L2) our kernel on the column store
@@ -10,7 +10,9 @@ working set is far above L2) our kernel on the column store
 the installed torch has no ``enable_gqa``; packing not timed), FlexAttention
 with a block mask (compiled; only on a few shapes: compile time) and
 ExecuTorch's Triton SDPA when importable.  Imports neither executorch's
-exporter nor hydra; the kernel module is imported directly.
+exporter nor hydra; the kernel module is imported directly.  ``--compare`` times
+another version of the kernel module (a file: e.g. ``git show REV:pipeline/kernels/
+sdpa_varlen.py > old.py``) on the same inputs in the same run, a column beside ours.
 """
 
 import argparse
@@ -152,26 +154,39 @@ class Work:
         return q, kvs, torch.tensor(q_pos, device=DEV), torch.tensor(q_cols, device=DEV), seq_info, cols
 
 
-def ours_calls(w):
-    """Our kernel on w: one layer's attention calls (one per rotated K/V copy) along a plan
-    computed once, the plan call itself, and that plan."""
+def load_module(path):
+    """Another version of the kernel module, its ops registered under ``kvcache_prev::``
+    (the names of ours are taken)."""
+    import types
+    src = open(path).read().replace('"kvcache::', '"kvcache_prev::')
+    mod = types.ModuleType("sdpa_varlen_prev")
+    mod.__file__ = os.path.abspath(path)
+    sys.modules[mod.__name__] = mod  # triton's jit looks its functions' globals up through the module
+    exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def ours_calls(w, mod=K):
+    """A kernel module's calls on w: one layer's attention calls (one per rotated K/V copy)
+    along a plan computed once, the plan call itself, and that plan."""
     q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(n_rot(w.kv_read))
     scale = 1 / math.sqrt(w.d)
-    geo = K._geometry_of(q, kvs[0][0], kvs[0][1], cols)
+    geo = mod._geometry_of(q, kvs[0][0], kvs[0][1], cols)
 
     def plan_call():
-        return K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
+        return mod.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
 
     plan = plan_call()
-    fns = [lambda k=k, v=v: K.attend_impl(q, k, v, q_pos, plan, cols, scale, w.causal, w.window, geo)
+    pre = (q_pos,) if "q_pos" in inspect.signature(mod.attend_impl).parameters else ()  # earlier versions took it
+    fns = [lambda k=k, v=v: mod.attend_impl(q, k, v, *pre, plan, cols, scale, w.causal, w.window, geo)
            for k, v in kvs]
     return fns, plan_call, plan
 
 
-def run_ours(w):
-    """(µs per layer: attention + merge along a plan computed once, µs of the plan alone).
+def run_ours(w, mod=K):
+    """(µs per layer: attention (and merge) along a plan computed once, µs of the plan alone).
     A lowered model plans once per step and layer kind; every layer of the kind reuses it."""
-    fns, plan_call, _ = ours_calls(w)
+    fns, plan_call, _ = ours_calls(w, mod)
     layer_us, _ = time_fn(fns)
     plan_us, _ = time_fn([plan_call])
     return layer_us, plan_us
@@ -396,8 +411,8 @@ def build_cases(quick):
         return ("prefill", Work(f"prefill chunk={chunk} hist={hist}", hq, hkv, d, [(hist + chunk, chunk, 0)], True))
 
     if quick:
-        return [uni(1, 32768), uni(16, 8192), uni(64, 8192), skew(16, 8192), wrap(16, 8192), draft(4),
-                prefill(2048, 8192)]
+        return [uni(1, 32768), uni(1, 8192), uni(4, 2048), uni(16, 8192), uni(64, 8192), skew(16, 8192),
+                skew(256, 2048), wrap(16, 8192), draft(4), draft(8), prefill(2048, 8192), prefill(8192, 0)]
     cases += [uni(b, c) for b in batches for c in ctxs if fits(b, c)]
     cases += [skew(b, c) for b in (4, 16, 64, 256) for c in (2048, 8192, 32768) if b * 4 * c * per_tok <= MAX_KV_OURS]
     cases += [wrap(b, c) for b in batches for c in (8192, 32768) if fits(b, c)] + [wrap(1, 131072), wrap(4, 131072)]
@@ -415,16 +430,13 @@ def build_cases(quick):
 FLEX_CASES = {"32/8 D128 decode uniform B=16 L=8192", "32/8 D128 prefill chunk=2048 hist=0"}
 
 
-SWEEP_DEC = [dict(DEC_BLOCK_N=bn, DEC_WARPS=w, DEC_STAGES=st, TARGET_CTAS=t, MIN_CHUNK=mc)
-             for bn, w, st, t, mc in [(64, 4, 2, 528, 256), (64, 4, 3, 528, 256), (32, 4, 4, 528, 256),
-                                      (128, 4, 2, 528, 256), (128, 8, 2, 528, 256), (64, 8, 3, 528, 256),
-                                      (64, 4, 2, 792, 256), (64, 4, 2, 1056, 512)]]
-SWEEP_DEC += [dict(MERGE_DV_SPLIT=1), dict(MERGE_DV_SPLIT=8)]
-SWEEP_PRE = [dict(PRE_BLOCK_M=bm, PRE_BLOCK_N=bn, PRE_WARPS=w, PRE_STAGES=st)
-             for bm, bn, w, st in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 4)]]
-SWEEP_LAUNCH = [dict(SPLIT_LAUNCH=True), dict(SPLIT_LAUNCH=False)]
-KNOBS = ("DEC_BLOCK_N", "DEC_WARPS", "DEC_STAGES", "PRE_BLOCK_M", "PRE_BLOCK_N", "PRE_WARPS", "PRE_STAGES",
-         "TARGET_CTAS", "MIN_CHUNK", "SPLIT_LAUNCH", "MERGE_DV_SPLIT")
+SWEEP_DEC = [dict(DEC_BLOCK_N=bn, TARGET_CTAS=t, MIN_CHUNK=mc)
+             for bn, t, mc in [(64, 528, 256), (32, 528, 256), (128, 528, 256), (64, 396, 256), (64, 792, 256),
+                               (64, 1056, 512), (64, 528, 512)]]
+SWEEP_PRE = [dict(PRE_BLOCK_M=bm, PRE_BLOCK_N=bn, WARPS=w, STAGES=st)
+             for bm, bn, w, st in [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2),
+                                   (64, 64, 8, 3)]]
+KNOBS = ("DEC_BLOCK_N", "PRE_BLOCK_M", "PRE_BLOCK_N", "WARPS", "STAGES", "TARGET_CTAS", "MIN_CHUNK")
 
 
 def sweep_cases():
@@ -446,7 +458,8 @@ def sweep_cases():
 
 
 def sweep():
-    """Three groups in turn (decode tiles and merge; prefill tiles; one launch or two), each
+    """Two groups in turn (decode tiles and splits; prefill tiles, warps and stages: one launch
+    serves both, so the second group is timed on every case), each
     variant timed on the group's cases on top of the choices of the groups before; the
     variant with the lowest sum of times relative to the group's first variant wins."""
     defaults = {n: getattr(K, n) for n in KNOBS}
@@ -454,8 +467,7 @@ def sweep():
     dec_cases, pre_cases = sweep_cases()
     report = []
     cases_ref = {}
-    for group, variants, cases in (("decode", SWEEP_DEC, dec_cases), ("prefill", SWEEP_PRE, pre_cases),
-                                   ("launch", SWEEP_LAUNCH, dec_cases + pre_cases)):
+    for group, variants, cases in (("decode", SWEEP_DEC, dec_cases), ("prefill", SWEEP_PRE, dec_cases + pre_cases)):
         base = dict(chosen)
         best, best_t = None, float("inf")
         for var in variants:
@@ -532,6 +544,7 @@ def main():
                     help="time tile/warp/stage/launch variants of our kernel first (reported; the table keeps the defaults)")
     ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--compare", help="another version of the kernel module (a .py file), timed beside ours")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this many seconds")
     args = ap.parse_args()
     t_start = time.time()
@@ -551,6 +564,7 @@ def main():
     torch.cuda.empty_cache()
     log(f"read bandwidth (sum over 4 GiB bf16): {read_tbs:.2f} TB/s; bf16 matmul 8192^3: {mm_tf:.0f} TFLOP/s")
 
+    prev = load_module(args.compare) if args.compare else None
     profile_report = profile() if args.profile else []
     chosen, sweep_report = None, []
     if args.sweep:
@@ -570,6 +584,15 @@ def main():
             log(f"  ours failed on {w.name}: {type(e).__name__}: {e}")
             ours = plan_us = None
         torch.cuda.empty_cache()
+        prev_us = None
+        if prev is not None:
+            try:  # timed twice around a second time of ours: the two versions side by side
+                prev_us = run_ours(w, prev)[0]
+                ours = min(ours, run_ours(w)[0]) if ours else ours
+                prev_us = min(prev_us, run_ours(w, prev)[0])
+            except Exception as e:  # noqa: BLE001
+                log(f"  --compare failed on {w.name}: {type(e).__name__}: {e}")
+            torch.cuda.empty_cache()
         peers = {}
         for pname, fn in (("sdpa", run_sdpa), ("varlen", run_varlen), ("flex", run_flex), ("et", run_et)):
             if pname == "flex" and (f"{w.hq}/{w.hkv} D{w.d} {w.name}" not in FLEX_CASES or args.no_flex):
@@ -586,13 +609,13 @@ def main():
             torch.cuda.empty_cache()
         tbs = w.bytes / ours / 1e6 if ours else None
         tf = w.flops / ours / 1e6 if ours else None
-        row = dict(kind=kind, name=f"{w.hq}/{w.hkv} D{w.d} {w.name}", kv=w.kv_read / GB, ours=ours, plan=plan_us,
+        row = dict(kind=kind, name=f"{w.hq}/{w.hkv} D{w.d} {w.name}", kv=w.kv_read / GB, ours=ours, plan=plan_us, prev=prev_us,
                    tbs=tbs, tf=tf,
                    peers=peers, bytes=w.bytes, flops=w.flops)
         rows.append(row)
         ps = "  ".join(f"{k}={fmt(v[0])}{'(' + v[1] + ')' if v[1] else ''}" for k, v in peers.items())
         log(f"[{time.time() - t_start:6.1f}s] {row['name']}: KV {row['kv']:.3f} GB  ours {fmt(ours)} us"
-            f" (+ plan {fmt(plan_us)} us per step)"
+            f" (+ plan {fmt(plan_us)} us per step)" + (f" prev {fmt(prev_us)} us" if prev is not None else "") +
             f"  {tbs or 0:.2f} TB/s  {tf or 0:.1f} TFLOP/s | {ps}  ({time.time() - t0:.1f}s)")
 
     log("numerics ...")
@@ -617,7 +640,7 @@ def main():
           "(≥ 150 MB per replay) so reads come from HBM, not L2",
           "- TB/s = (bytes of K/V actually read + Q + O) / our time; TFLOP/s = 4·D·Hq·(visible query-key pairs) / our time",
           "- ours: K/V in the column store [rows·columns, Hkv, D], seq_info describing the runs. 'ours µs' is "
-          "one layer's attention + merge (2 launches; 3 with SPLIT_LAUNCH) along a plan computed beforehand: a lowered model plans once "
+          "one layer's attention (one launch; split blocks merged in it) along a plan computed beforehand: a lowered model plans once "
           "per step and layer kind (`kvcache::sdpa_varlen_plan`) and every layer of that kind reuses it; "
           "'plan µs' is that plan alone (one launch), to be spread over the layers of a kind",
           "- sdpa: F.scaled_dot_product_attention on padded contiguous [B,H,L,D] (enable_gqa; key-padding mask "
@@ -630,9 +653,13 @@ def main():
           "- et: ExecuTorch Triton SDPA (sdpa_decode_splitk, uniform decode only) "
           + ("" if et_decode is not None else "— n/a: executorch not importable on this machine"),
           "- mixed step: sdpa = two calls (the decodes, then the chunk) in one graph",
-          "- peers skipped ('mem') where their padded/repeated K/V would pass 30 GB", "",
-          "| case | KV GB | ours µs | plan µs | ours TB/s | ours TFLOP/s | sdpa µs | varlen µs | flex µs | et µs | ours/sdpa |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "- peers skipped ('mem') where their padded/repeated K/V would pass 30 GB"]
+    if prev is not None:
+        md.append(f"- prev: the kernel module `{args.compare}` on the same inputs; with it, ours and prev are each the "
+                  "lower of two medians, timed alternately (ours, prev, ours, prev)")
+    md += ["", "| case | KV GB | ours µs | plan µs | ours TB/s | ours TFLOP/s | sdpa µs | varlen µs | flex µs | et µs | ours/sdpa |"
+           + (" prev µs | prev/ours |" if prev is not None else ""),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if prev is not None else "")]
     for r in rows:
         p = r["peers"]
 
@@ -642,7 +669,9 @@ def main():
         sd = p.get("sdpa", (None, ""))[0]
         ratio = f"{sd / r['ours']:.2f}x" if sd and r["ours"] else "—"
         md.append(f"| {r['name']} | {r['kv']:.3f} | {fmt(r['ours'])} | {fmt(r['plan'])} | {r['tbs'] or 0:.2f} | {r['tf'] or 0:.1f} | "
-                  f"{cell('sdpa')} | {cell('varlen')} | {cell('flex')} | {cell('et')} | {ratio} |")
+                  f"{cell('sdpa')} | {cell('varlen')} | {cell('flex')} | {cell('et')} | {ratio} |"
+                  + (f" {fmt(r['prev'])} | {r['prev'] / r['ours']:.2f}x |" if r["prev"] and r["ours"] else
+                     (" — | — |" if prev is not None else "")))
     md += ["", "ours/sdpa > 1 means ours is faster.", "",
            "## Numerics (max abs error vs fp32 math SDPA on the same data)", "",
            "| case | ours bf16 | PyTorch SDPA bf16 |", "|---|---:|---:|"]

@@ -166,7 +166,7 @@ def check(args, columns, causal, window, scale=None, expect_split=None, **kw):
     err_ref = (out.float() - ref.float()).abs().max().item()
     assert err64 <= tol, f"max err vs float64 {err64} > {tol}"
     assert err_ref <= 2 * tol, f"max err vs sdpa_varlen_reference {err_ref} > {2 * tol}"
-    n_split = int(plan[2])
+    n_split = int(plan[int(K.H_SPLIT_BLOCKS)])
     if expect_split is not None:
         assert (n_split > 0) == expect_split, f"split blocks: {n_split}"
     return out, r64, n_split
@@ -190,10 +190,8 @@ MIXED = [
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [0, 6])
-@pytest.mark.parametrize("split_launch", [False, True])
-def test_mixed_step(hq, hkv, causal, window, split_launch, monkeypatch):
-    """Decode, draft and prefill blocks in one step, through one attention launch or two."""
-    monkeypatch.setattr(K, "SPLIT_LAUNCH", split_launch)
+def test_mixed_step(hq, hkv, causal, window):
+    """Decode, draft and prefill blocks in one step, in one attention launch."""
     args = make_step(MIXED, columns=5, rows=48, hq=hq, hkv=hkv, d=16, seed=hq * 10 + window + causal)
     out, r64, n_split = check(args, 5, causal, window, expect_split=True if window == 0 else None, **SMALL)
     t_nothing = [i for i, c in enumerate(args[4].tolist()) if c == 1]
@@ -228,6 +226,25 @@ def test_long_prefill_blocks_and_window(window):
     args = make_step(seqs, columns=2, rows=96, hq=2, hkv=1, d=16, seed=11 + window)
     check(args, 2, True, window, **SMALL)
     check(args, 2, False, window, **SMALL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("later_first", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_tile_across_the_ring_wrap(later_first, causal):
+    """A key tile that holds the end of one segment and the start of the other (the ring's
+    wrap), inside the key range, under a window: its positions are not one run, so it is
+    masked even where the tile's first position says every row sees it.  Which segment
+    comes first in the key index follows seq_info's order in the interpreter."""
+    g = torch.Generator().manual_seed(21)
+    rows, hkv, hq, d = 64, 1, 2, 16
+    k = torch.randn(rows, hkv, d, generator=g)
+    v = torch.randn(rows, hkv, d, generator=g)
+    wrap_seg, head_seg = [0, 40, 24, 100], [0, 0, 36, 124]  # rows 40..63: positions 100..123; rows 0..35: 124..159
+    seq_info = torch.tensor([wrap_seg, head_seg] if later_first else [head_seg, wrap_seg], dtype=torch.int64)
+    q_pos = torch.arange(144, 160)
+    args = [torch.randn(16, hq, d, generator=g), k, v, q_pos, torch.zeros(16, dtype=torch.int64), seq_info]
+    check([a.to(DEVICE) for a in args], 1, causal, 50, block_n=16, target_ctas=1, min_chunk=16)
 
 
 @needs_kernels
@@ -326,19 +343,26 @@ def test_planned_ops_match_one_call():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dv_split", [1, 2])
-def test_merge_of_many_splits(monkeypatch, dv_split):
-    """A long sequence split many times, merged a few splits per load (odd remainder included),
-    the head dim in one or two merge programs."""
-    monkeypatch.setattr(K, "_MERGE_TILE", 2 * 2 * 16)  # 2 splits per load for G_PAD=2 and 16 columns
-    monkeypatch.setattr(K, "MERGE_DV_SPLIT", dv_split)
+@pytest.mark.parametrize("per_load", [1, 2, 4])
+def test_merge_of_many_splits(monkeypatch, per_load):
+    """A long sequence split many times, merged by the last of its items to finish, a few
+    splits per load (odd remainders included); splits in proportion to each block's keys."""
+    monkeypatch.setattr(K, "_MERGE_TILE", per_load * 2 * 16)  # per_load splits per load for G_PAD=2, 16 columns
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
-    args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, dv=16 * dv_split, seed=4)
+    args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4 + per_load)
     _, _, n_split = check(args, 2, True, 0, expect_split=True, block_n=16, target_ctas=64, min_chunk=16)
+    assert n_split == 2, "both blocks split"
     plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, block_n=16, target_ctas=64,
-                                     min_chunk=16)[1]
-    assert int(plan[3]) * 5 <= 300, "the long sequence should have at least 5 splits"
+                                     min_chunk=16)[1].cpu()
+    nbf, hdr = K._NBF, K._HDR
+    blocks = [plan[hdr + b * nbf: hdr + (b + 1) * nbf].tolist() for b in range(int(plan[int(K.H_BLOCKS)]))]
+    long = next(b for b in blocks if b[int(K.F_NTOK)] == 1)
+    assert long[int(K.F_NSPLIT)] >= 5, f"the long sequence should have at least 5 splits: {long}"
+    assert long[int(K.F_CHUNK)] * (long[int(K.F_NSPLIT)] - 1) < 300 <= long[int(K.F_CHUNK)] * long[int(K.F_NSPLIT)]
+    geo = K._geometry_of(args[0], args[1], args[2], 2, block_n=16, target_ctas=64, min_chunk=16)
+    tickets = plan[geo.tickets_off: geo.tickets_off + geo.n_tickets]
+    assert int(tickets.abs().sum()) == 0, "every merge ticket is back to zero after the launch"
 
 
 @needs_kernels
