@@ -118,6 +118,26 @@ def theirs_greedy(pte: Path, tokenizer, prompt: str, n: int) -> str:
     return tokenizer.decode(out)
 
 
+def eager_greedy(checkpoint: Path, params: Path, tokenizer, prompt: str, n: int) -> str:
+    """The converted checkpoint in ExecuTorch's own eager Llama, fp32 (no quantization, no KV cache):
+    the check that the conversion is right, apart from what 8da4w does to it."""
+    from executorch.examples.models.llama.model import Llama2Model
+    from executorch.extension.llm.export.config.llm_config import LlmConfig
+
+    config = LlmConfig()
+    config.base.checkpoint, config.base.params = str(checkpoint), str(params)
+    config.model.use_kv_cache = False
+    config.export.max_seq_length = config.export.max_context_length = 96
+    model = Llama2Model(config).model_.eval()
+    ids = tokenizer(prompt).input_ids
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(torch.tensor([ids]))
+            logits = out[0] if isinstance(out, tuple) else out
+            ids.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
+    return tokenizer.decode(ids[-n:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where the checkpoint, the .pte and export.log go")
@@ -138,8 +158,11 @@ def main() -> None:
     from pipeline.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(gguf_path()))
-    continuation = theirs_greedy(pte, tokenizer, "The capital of France is", 8)
-    print(f"export_llm's greedy continuation of 'The capital of France is': {continuation!r}", flush=True)
+    prompt = "The capital of France is"
+    eager = eager_greedy(args.out / "smollm2.pth", args.out / "params.json", tokenizer, prompt, 8)
+    print(f"ExecuTorch's eager Llama (fp32) on the converted checkpoint continues {prompt!r} with {eager!r}", flush=True)
+    continuation = theirs_greedy(pte, tokenizer, prompt, 8)
+    print(f"export_llm's 8da4w .pte continues it with {continuation!r}", flush=True)
     context = tokenizer(TEXT).input_ids[: args.context]
     rates = {"export_llm 8da4w": [], "ours int4": []}
     for r in range(args.rounds):
@@ -156,11 +179,12 @@ def main() -> None:
         build = f"{args.ours_build_s:.0f} s" + (f" ({args.ours_build_s / export_s:.2f}x)" if export_s else "") if args.ours_build_s else "—"
         rows.append(f"| ours int4 (`{args.ours}`) | {ours:.1f} | {ours / theirs:.2f}x | {size:.1f} MB | {build} |")
     write_section("export_llm_baseline", "## SmolLM2-135M: our int4 artifact against ExecuTorch's export_llm 8da4w (CPU)\n\n"
-                  f"`python bench/export_llm_baseline.py --out {args.out}{f' --ours {args.ours}' if args.ours else ''}` on 2 CPU "
+                  f"`python bench/export_llm_baseline.py {' '.join(sys.argv[1:])}` on 2 CPU "
                   f"cores, {time.strftime('%Y-%m-%d')}: batch-1 decode through `executorch.runtime` after {len(context)} tokens of "
                   f"context, median of {args.steps} steps, median of {args.rounds} alternating rounds. export_llm's checkpoint is "
-                  "the GGUF dequantized as llama.cpp does (Meta format, written by the script); its greedy continuation "
-                  f"of 'The capital of France is': {continuation!r}.\n\n"
+                  "the GGUF dequantized as llama.cpp does (Meta format, written by the script). Greedy continuations "
+                  f"of {prompt!r}: ExecuTorch's eager Llama in fp32 on that checkpoint {eager!r} (the conversion is right); "
+                  f"the 8da4w .pte {continuation!r} (what 8da4w's requantization of the Q4_1 weights, head included, does).\n\n"
                   "| artifact | decode tok/s (S=1) | vs export_llm | .pte | export / build |\n|---|---|---|---|---|\n"
                   + "\n".join(rows) + "\n")
 
