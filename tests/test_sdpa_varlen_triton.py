@@ -28,12 +28,13 @@ except Exception as exc:  # pragma: no cover - triton is a pinned dependency
 
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.reference import sdpa_varlen_reference  # noqa: E402
+from pipeline.kernels.sdpa_varlen import tuning as KT  # noqa: E402
 
 # max |out - ref| allowed against the float64 reference, by dtype
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if NATIVE else "cpu"
 # small splits so that tests exercise the split + merge path
-SMALL = dict(block_n=16, target_ctas=64, min_chunk=16)
+SMALL = dict(tuning=K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16))
 
 # In the interpreter the kernels run in a fresh process of their own: other test modules'
 # use of Inductor (AOTInductor, torch.compile) in the same process breaks the interpreter's
@@ -244,7 +245,7 @@ def test_key_tile_across_the_ring_wrap(later_first, causal):
     seq_info = torch.tensor([wrap_seg, head_seg] if later_first else [head_seg, wrap_seg], dtype=torch.int64)
     q_pos = torch.arange(144, 160)
     args = [torch.randn(16, hq, d, generator=g), k, v, q_pos, torch.zeros(16, dtype=torch.int64), seq_info]
-    check([a.to(DEVICE) for a in args], 1, causal, 50, block_n=16, target_ctas=1, min_chunk=16)
+    check([a.to(DEVICE) for a in args], 1, causal, 50, tuning=K.Tuning(pre_block_n=16, target_ctas=1))
 
 
 @needs_kernels
@@ -296,7 +297,7 @@ def test_native_head_dims(d, dtype, hq, hkv):
     combos = [(True, 0), (False, 0), (True, 100)] if dtype != torch.float32 else [(True, 100)]
     for causal, window in combos:
         check(args, 6, causal, window)
-        check(args, 6, causal, window, block_n=64, target_ctas=512, min_chunk=64,
+        check(args, 6, causal, window, tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64),
               expect_split=True if window == 0 else None)
 
 
@@ -344,23 +345,25 @@ def test_planned_ops_match_one_call():
 
 @needs_kernels
 @pytest.mark.parametrize("per_load", [1, 2, 4])
-def test_merge_of_many_splits(monkeypatch, per_load):
+def test_merge_of_many_splits(per_load):
     """A long sequence split many times, merged by the last of its items to finish, a few
     splits per load (odd remainders included); splits in proportion to each block's keys."""
-    monkeypatch.setattr(K, "_MERGE_TILE", per_load * 2 * 16)  # per_load splits per load for G_PAD=2, 16 columns
+    # per_load splits per merge load for G_PAD=2, 16 columns
+    tuning = K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16,
+                      merge_tile=per_load * 2 * 16)
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
     args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4 + per_load)
-    _, _, n_split = check(args, 2, True, 0, expect_split=True, block_n=16, target_ctas=64, min_chunk=16)
+    _, _, n_split = check(args, 2, True, 0, expect_split=True, tuning=tuning)
     assert n_split == 2, "both blocks split"
-    plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, block_n=16, target_ctas=64,
-                                     min_chunk=16)[1].cpu()
-    nbf, hdr = K._NBF, K._HDR
+    plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, tuning=tuning)[1].cpu()
+    nbf, hdr = K.NBF, K.HDR
     blocks = [plan[hdr + b * nbf: hdr + (b + 1) * nbf].tolist() for b in range(int(plan[int(K.H_BLOCKS)]))]
     long = next(b for b in blocks if b[int(K.F_NTOK)] == 1)
     assert long[int(K.F_NSPLIT)] >= 5, f"the long sequence should have at least 5 splits: {long}"
     assert long[int(K.F_CHUNK)] * (long[int(K.F_NSPLIT)] - 1) < 300 <= long[int(K.F_CHUNK)] * long[int(K.F_NSPLIT)]
-    geo = K._geometry_of(args[0], args[1], args[2], 2, block_n=16, target_ctas=64, min_chunk=16)
+    geo = K.geometry_of(args[0], args[1], args[2], 2, tuning)
+    assert geo.spl_dec == per_load
     tickets = plan[geo.tickets_off: geo.tickets_off + geo.n_tickets]
     assert int(tickets.abs().sum()) == 0, "every merge ticket is back to zero after the launch"
 
@@ -376,8 +379,8 @@ def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
     from pipeline.runtime.session import Session
     from pipeline.stages import export, lower_kv, validate
 
-    monkeypatch.setattr(K, "TARGET_CTAS", 8)  # few programs per launch: the interpreter is slow
-    monkeypatch.setattr(K, "MIN_CHUNK", 16)  # and splits even on short histories
+    # few programs per launch (the interpreter is slow), and splits even on short histories
+    monkeypatch.setattr(KT, "DEFAULT", K.Tuning(target_ctas=8, min_chunk=16, min_chunk_multi=16))
     cfg = compose_config("kv=sequence", "kv.max_seqs=2", "kv.max_step_tokens=8", "backend=cuda",
                          "validate.prompt_lengths=[11,4,13]", "validate.decode_steps=12")
     exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp_path)

@@ -1,0 +1,1 @@
+"""Parts of bench/sdpa_varlen.py: timing, workloads, peers, report."""

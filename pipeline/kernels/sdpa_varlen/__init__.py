@@ -1,0 +1,40 @@
+"""Triton implementation of ``kvcache::sdpa_varlen`` (contract in ``pipeline/kernels/reference.py``).
+
+Two kernels per step, no host synchronisation:
+
+- ``plan.py``: ``_plan_kernel`` (one program) turns the step's buffers (``q_pos``, ``q_cols``,
+  ``seq_info``) into a work list of *items* (a block of query tokens of one sequence x a run
+  of its visible keys), the plan's int32 layout named once there;
+- ``attention.py``: ``_sdpa_varlen_fwd`` runs the items for every KV head in one launch,
+  the splits of a long block merged by the last of them to finish;
+- ``tuning.py``: the tiles and split targets (``Tuning``, a frozen value; ``DEFAULT``) and the
+  geometry of one call derived from shapes;
+- ``ops.py``: the ``kvcache::`` ops that ``lower_kv`` emits for ``backend=cuda``.
+
+Importing this package registers the ops.
+"""
+
+from .attention import attend_impl, interpreted
+from .ops import geometry_of, sdpa_varlen_attend, sdpa_varlen_plan, sdpa_varlen_triton, sdpa_varlen_triton_impl
+from .plan import (
+    F_CHUNK,
+    F_ITEM0,
+    F_NSPLIT,
+    F_NTOK,
+    H_BLOCKS,
+    H_CHUNK,
+    H_ITEMS,
+    H_PSLOTS,
+    H_SPLIT_BLOCKS,
+    H_TOTAL,
+    HDR,
+    NBF,
+    plan_impl,
+)
+from .tuning import DEFAULT, Geometry, Tuning, geometry
+
+__all__ = [
+    "DEFAULT", "F_CHUNK", "F_ITEM0", "F_NSPLIT", "F_NTOK", "Geometry", "HDR", "H_BLOCKS", "H_CHUNK", "H_ITEMS",
+    "H_PSLOTS", "H_SPLIT_BLOCKS", "H_TOTAL", "NBF", "Tuning", "attend_impl", "geometry", "geometry_of", "interpreted",
+    "plan_impl", "sdpa_varlen_attend", "sdpa_varlen_plan", "sdpa_varlen_triton", "sdpa_varlen_triton_impl",
+]

@@ -1,0 +1,308 @@
+"""The attention launch: ``_sdpa_varlen_fwd`` (grid = upper bound of items x Hkv, from shapes
+only; programs past the plan's item count exit) processes one item for one KV head.
+
+Its query tile holds the block's tokens x the G = Hq/Hkv query heads that share the KV head
+(rows = token * G_PAD + head), so K/V are read once per KV head for all of them.  Blocks of
+one token (decode) use a small [max(16, G_PAD), D] tile; longer blocks (prefill chunks, draft
+blocks) a [block_m, D] tile.  The item's key tiles run in up to three loops: tiles that every
+row sees entirely run without a mask; only those at the window's edge (the first ones), at
+the causal diagonal or past the item's end (the last ones) evaluate it.  When the block's two
+segments are not one run of positions, every tile is masked.
+
+An unsplit block writes its output.  A split block writes fp32 partials (acc, max, sum) to a
+scratch pool and takes a ticket (an atomic counter per block and KV head in the plan): the
+last of its items to finish merges all the partials with a log-sum-exp, in slot order (so the
+result does not depend on which finished last), and resets the ticket for the next layer.
+
+Scores, softmax and accumulation are fp32; P is cast to V's dtype for the second product (as
+in FlashAttention).  A query that sees no key gets zeros.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .plan import (
+    F_COL,
+    F_ITEM0,
+    F_KEND,
+    F_KSTART,
+    F_N0,
+    F_N1,
+    F_NSPLIT,
+    F_NTOK,
+    F_POS0,
+    F_POS1,
+    F_PSLOT0,
+    F_QPOS,
+    F_ROW0,
+    F_ROW1,
+    F_TOK0,
+    H_ITEMS,
+    NBF,
+)
+from .tuning import Geometry
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, ns, pslot0,
+                G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr,
+                R: tl.constexpr, SPL: tl.constexpr):
+    """Log-sum-exp merge of the ns partials of one block for one KV head, in slot order: R
+    rows (token * G_PAD + head, as in the attention tile) at once, SPL splits per load.
+    Loads bypass L1 (``.cg``): the partials were written by other programs of this launch."""
+    r = tl.arange(0, R)
+    tok_in = r // G_PAD
+    hg = r % G_PAD
+    rvalid = (tok_in < ntok) & (hg < G)
+    offs_dv = tl.arange(0, DV)
+    sp = tl.arange(0, SPL)
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, DV], tl.float32)
+    for s0 in range(0, ns, SPL):
+        sidx = s0 + sp
+        rows = ((pslot0 + sidx).to(tl.int64) * hkv + h)[:, None] * PM + r[None, :]
+        ok = (sidx < ns)[:, None] & rvalid[None, :]  # [SPL, R]
+        ms = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        ls = tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        os_ = tl.load(part_o + rows[:, :, None] * DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(ms, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.math.exp2(m_i - m_use)
+        c = tl.math.exp2(ms - m_use[None, :])  # masked splits: exp2(-inf) = 0
+        acc = acc * a[:, None] + tl.sum(os_ * c[:, :, None], 0)
+        l_i = l_i * a + tl.sum(ls * c, 0)
+        m_i = m_new
+    inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+    op = (out + (tok0 + tok_in).to(tl.int64)[:, None] * stride_ot + (h * G + hg)[:, None] * stride_oh
+          + offs_dv[None, :])
+    tl.store(op, (acc * inv[:, None]).to(out.dtype.element_ty), mask=rvalid[:, None])
+
+
+@triton.jit
+def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos0, pos1, col, columns,
+              stride_kn, stride_vn, qpos, scale_log2, window,
+              BN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, STAGES: tl.constexpr, MASK: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over the key tiles starting at j0, j0 + BN, ... < j1 of the block's key
+    index (segment 0's n0 keys, then segment 1's).  MASK: keys at or past kend and, per row,
+    those outside the causal / window bounds are masked; otherwise every key is visible."""
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    for j in tl.range(j0, j1, BN, num_stages=STAGES):
+        idx = j + offs_n
+        in0 = idx < n0
+        slot = tl.where(in0, row0 + idx, row1 + (idx - n0)).to(tl.int64) * columns + col
+        if MASK:
+            kv = idx < kend
+            kt = tl.load(kbase + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None], other=0.0)
+        else:
+            kt = tl.load(kbase + slot[:, None] * stride_kn + offs_d[None, :])
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        if IEEE:
+            s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(qt, tl.trans(kt))
+        s = (s * scale_log2).to(tl.float32)  # AOTInductor passes float scalars as fp64
+        if MASK:
+            kpos = tl.where(in0, pos0 + idx, pos1 + (idx - n0))
+            vis = kv[None, :]
+            if CAUSAL:
+                vis = vis & (kpos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            vt = tl.load(vbase + slot[:, None] * stride_vn + offs_dv[None, :], mask=kv[:, None], other=0.0)
+        else:
+            vt = tl.load(vbase + slot[:, None] * stride_vn + offs_dv[None, :])
+        if UPCAST:
+            # Triton's interpreter gets bf16 dots wrong: round P to bf16, dot in fp32
+            pc = p.to(tl.bfloat16).to(tl.float32)
+            vt = vt.to(tl.float32)
+        else:
+            pc = p.to(vt.dtype)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pc, vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pc, vt)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend(
+    q, k, v, out, part_o, part_ml, tickets,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit, pslot0, split,
+    scale_log2, window,
+    M: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BN: tl.constexpr, PM: tl.constexpr, STAGES: tl.constexpr, MULTI: tl.constexpr, SPL: tl.constexpr,
+    MERGE_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One item for KV head h: keys [kstart, kend) of the block's key index against an M-row
+    query tile.  MULTI: several query tokens, whose causal / window bounds differ per row; a
+    one-token block's key range is exactly its visible one (the plan trimmed it), so only
+    the keys past kend are masked."""
+    r = tl.arange(0, M)
+    tok_in = r // G_PAD
+    hg = r % G_PAD
+    rvalid = (tok_in < ntok) & (hg < G)
+    tok = tok0 + tok_in
+    qhead = h * G + hg
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    qt = tl.load(q + tok.to(tl.int64)[:, None] * stride_qt + qhead[:, None] * stride_qh + offs_d[None, :],
+                 mask=rvalid[:, None], other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    qpos = qpos0 + tok_in  # a block's tokens have consecutive positions
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, DV], tl.float32)
+    kbase = k + h * stride_kh
+    vbase = v + h * stride_vh
+    # tiles are kstart + t * BN; t < t_full are whole tiles inside the item
+    n_tiles = (kend - kstart + BN - 1) // BN
+    t_full = (kend - kstart) // BN
+    if MULTI:
+        # Where the keys' positions are one run (pos0 + key index: segment 1 continues segment 0
+        # or is empty), the tiles every row sees whole are t_lo <= t < t_hi: past the window's
+        # edge for the last query and before the causal diagonal for the first.
+        one_run = (n1 == 0) | (pos1 == pos0 + n0)
+        t_lo = n_tiles * 0
+        t_hi = t_full
+        if HAS_WINDOW:
+            x = qpos0 + ntok - 1 - window - pos0 - kstart  # tiles starting at key index <= x are cut
+            t_lo = tl.where(x >= 0, x // BN + 1, 0)
+        if CAUSAL:
+            y = qpos0 - pos0 - kstart + 1  # a whole tile ends at a key index <= qpos0 - pos0
+            t_hi = tl.minimum(t_hi, tl.where(y >= 0, y // BN, 0))
+        t_lo = tl.where(one_run, tl.minimum(t_lo, n_tiles), n_tiles)
+        t_mid = tl.maximum(t_lo, t_hi)
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart, kstart + t_lo * BN, kend, n0, row0, row1,
+                                  pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
+                                  BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_lo * BN, kstart + t_mid * BN, kend, n0,
+                                  row0, row1, pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2,
+                                  window, BN, D, DV, STAGES, False, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_mid * BN, kend, kend, n0, row0, row1,
+                                  pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
+                                  BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+    else:
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart, kstart + t_full * BN, kend, n0, row0, row1,
+                                  pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
+                                  BN, D, DV, STAGES, False, False, False, IEEE, UPCAST)
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_full * BN, kend, kend, n0, row0, row1,
+                                  pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
+                                  BN, D, DV, STAGES, True, False, False, IEEE, UPCAST)
+    if pslot0 < 0:  # the block's only item: normalise and write
+        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        op = out + tok.to(tl.int64)[:, None] * stride_ot + qhead[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(op, (acc * inv[:, None]).to(out.dtype.element_ty), mask=rvalid[:, None])
+    else:  # one of several: write partials; the last of the block's items to finish merges
+        hkv = tl.num_programs(1)
+        base = ((pslot0 + split).to(tl.int64) * hkv + h) * PM
+        tl.store(part_o + (base + r)[:, None] * DV + offs_dv[None, :], acc, mask=rvalid[:, None])
+        tl.store(part_ml + (base + r) * 2, m_i, mask=rvalid)
+        tl.store(part_ml + (base + r) * 2 + 1, l_i, mask=rvalid)
+        tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
+        ticket = tickets + pslot0 * hkv + h
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
+            _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
+                        G, G_PAD, DV, PM, MERGE_R, SPL)
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next layer's launch
+
+
+@triton.jit
+def _sdpa_varlen_fwd(
+    q, k, v, out, plan, part_o, part_ml,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    columns, scale_log2, window, TICKETS_OFF, REC_OFF,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr,
+    DEC_STAGES: tl.constexpr, PRE_STAGES: tl.constexpr, SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    NBF_: tl.constexpr,
+):
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    # all loads independent of each other: the item record (p < W_MAX is in bounds)
+    n_items = tl.load(plan + H_ITEMS)
+    rp = plan + REC_OFF + p * NBF_
+    tok0 = tl.load(rp + F_TOK0)
+    ntok = tl.load(rp + F_NTOK)
+    row0 = tl.load(rp + F_ROW0)
+    n0 = tl.load(rp + F_N0)
+    pos0 = tl.load(rp + F_POS0)
+    row1 = tl.load(rp + F_ROW1)
+    n1 = tl.load(rp + F_N1)
+    pos1 = tl.load(rp + F_POS1)
+    col = tl.load(rp + F_COL)
+    qpos0 = tl.load(rp + F_QPOS)
+    nsplit = tl.load(rp + F_NSPLIT)
+    split = p - tl.load(rp + F_ITEM0)
+    pslot0 = tl.load(rp + F_PSLOT0)
+    kstart = tl.load(rp + F_KSTART)
+    kend = tl.load(rp + F_KEND)
+    tickets = plan + TICKETS_OFF
+    if p < n_items:
+        if ntok == 1:
+            _attend(q, k, v, out, part_o, part_ml, tickets,
+                    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                    h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                    pslot0, split, scale_log2, window,
+                    M_DEC, G, G_PAD, D, DV, BN_DEC, BLOCK_M, DEC_STAGES, False, SPL_DEC, G_PAD,
+                    CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+        else:
+            _attend(q, k, v, out, part_o, part_ml, tickets,
+                    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                    h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                    pslot0, split, scale_log2, window,
+                    BLOCK_M, G, G_PAD, D, DV, BN_PRE, BLOCK_M, PRE_STAGES, True, SPL_PRE, BLOCK_M,
+                    CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+
+
+def interpreted() -> bool:
+    return type(_sdpa_varlen_fwd).__name__ == "InterpretedFunction"
+
+
+def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, columns: int,
+                scale: float, causal: bool, window: int, geo: Geometry, launch=None) -> Tensor:
+    """Attention of one layer along a plan from ``plan_impl``: one launch.  The plan's merge
+    tickets are zero before and after it (the launch that uses a ticket resets it)."""
+    wrap = launch if launch is not None else (lambda fn: fn)
+    n_tok, hq, d = q.shape
+    hkv, dv = k_store.shape[1], v_store.shape[-1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
+    v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
+    out = q.new_empty(n_tok, hq, dv)
+    part_o = torch.empty(geo.target_items * hkv * geo.block_m * dv, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(geo.target_items * hkv * geo.block_m * 2, dtype=torch.float32, device=q.device)
+    wrap(_sdpa_varlen_fwd)[(geo.w_max, hkv)](
+        q, k_store, v_store, out, plan, part_o, part_ml,
+        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
+        v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
+        columns, scale * _LOG2E, window, geo.tickets_off, geo.rec_off,
+        G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, M_DEC=geo.m_dec,
+        BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
+        SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre,
+        CAUSAL=causal, HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
+        UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
+        num_warps=geo.warps, num_stages=max(geo.dec_stages, geo.pre_stages),
+    )
+    return out

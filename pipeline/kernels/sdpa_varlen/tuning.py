@@ -1,0 +1,112 @@
+"""Tuning of the ``sdpa_varlen`` kernels and the geometry of one call derived from it.
+
+``Tuning`` is a frozen value passed to the launch functions (``plan_impl``, ``attend_impl``,
+``sdpa_varlen_triton_impl``); the registered ops use ``DEFAULT``.  ``bench/sdpa_varlen.py
+--sweep`` times variants of it (``dataclasses.replace``) on an H200.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Tiles are given for 2-byte elements and D <= 128; ``geometry`` shrinks them for more
+    bytes per key."""
+
+    dec_block_n: int = 64  # keys per tile of a one-token (decode) block
+    dec_stages: int = 2  # software-pipelining depth of the decode key loop
+    pre_block_m: int = 64  # rows (tokens x query heads) of a multi-token (prefill / draft) tile
+    pre_block_n: int = 64  # keys per tile of a multi-token block
+    pre_stages: int = 3  # pipelining depth of the multi-token key loops
+    warps: int = 4  # one launch serves both kinds of block: one warp count
+    target_ctas: int = 528  # ~4 programs per SM of an H200 (132 SMs): the splits aim at this many
+    min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
+    min_chunk_multi: int = 256  # shortest split of a multi-token block (its partials are block_m rows)
+    merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
+
+    def __post_init__(self) -> None:
+        for name in ("dec_block_n", "pre_block_m", "pre_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"Tuning.{name}={value}: a power of two >= 16 is allowed")
+        for name in ("dec_stages", "pre_stages", "warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
+
+
+DEFAULT = Tuning()
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _sym_min(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    return torch.sym_min(a, b)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Tiles, launch settings and buffer sizes of one call, from shapes and a ``Tuning`` only.
+    Sizes are SymInts under tracing; the plan op and the attention op agree on them."""
+
+    g: int  # query heads per KV head
+    g_pad: int
+    block_m: int  # rows of a multi-token tile
+    tokb: int  # most tokens of a block (block_m // g_pad)
+    m_dec: int  # rows of a decode tile
+    bn_dec: int
+    bn_pre: int
+    dec_stages: int
+    pre_stages: int
+    warps: int
+    min_chunk: int
+    min_chunk_multi: int
+    spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
+    spl_pre: int
+    target_items: int  # items the splits aim at (per KV head); also the most partial slots
+    n_tickets: int  # one merge ticket per (partial slot, KV head)
+    nb_max: object  # most blocks
+    w_max: object  # most items (the attention grid)
+    tickets_off: object  # offsets in the plan (plan.py: its layout)
+    rec_off: object
+    plan_len: object
+
+
+def _splits_per_load(rows: int, dv: int, merge_tile: int) -> int:
+    """Partials merged per load: a power of two, about ``merge_tile`` elements."""
+    return min(64, 1 << (max(1, merge_tile // (rows * dv)).bit_length() - 1))
+
+
+def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes: int,
+             tuning: Tuning | None = None) -> Geometry:
+    """``tuning`` None: ``DEFAULT``, read at the call (tests patch it for the registered ops)."""
+    from .plan import HDR, NBF
+
+    tuning = DEFAULT if tuning is None else tuning
+    g = hq // hkv
+    g_pad = next_pow2(g)
+    shrink = max(1, max(d, dv) * elem_bytes // 256)  # tiles sized for 2-byte elements, D <= 128
+    block_m = max(tuning.pre_block_m // shrink, 2 * g_pad)
+    tokb = block_m // g_pad
+    # upper bounds from shapes only (no host sync); blocks: see the plan kernel
+    nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
+    target_items = max(1, -(-tuning.target_ctas // hkv))
+    w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
+    tickets_off = HDR + nb_max * NBF + w_max
+    rec_off = tickets_off + target_items * hkv
+    wide = elem_bytes > 2
+    return Geometry(
+        g=g, g_pad=g_pad, block_m=block_m, tokb=tokb, m_dec=max(16, g_pad),
+        bn_dec=max(16, tuning.dec_block_n // shrink), bn_pre=max(16, tuning.pre_block_n // shrink),
+        dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
+        pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages, warps=tuning.warps,
+        min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
+        spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
+        target_items=target_items, n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
+        tickets_off=tickets_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
+    )
