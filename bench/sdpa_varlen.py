@@ -113,14 +113,12 @@ def numerics(hq, hkv, d, n_keys, n_q, B):
 
 
 # the sweep: groups of variants of Tuning, each group on top of the winners of the groups before
+# (each group's first variant is the running choice, the reference of its ratios)
 SWEEP = [
-    ("decode", "dec", [dict(dec_block_n=bn, dec_stages=st, target_ctas=t)
-                       for bn, st, t in [(64, 2, 528), (64, 3, 528), (128, 2, 528), (64, 2, 396), (64, 2, 792)]]),
-    ("multi-token", "pre", [dict(pre_block_m=bm, pre_block_n=bn, warps=wp, pre_stages=st)
-                            for bm, bn, wp, st in [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3),
-                                                   (64, 128, 4, 2)]]),
-    ("merge", "all", [dict(min_chunk_multi=mc, merge_tile=mt)
-                      for mc, mt in [(256, 8192), (1024, 8192), (2048, 8192), (1024, 2048)]]),
+    ("launches", "all", [dict(split_launch=False), dict(split_launch=True)]),
+    ("decode tile", "dec", [dict(dec_block_n=128), dict(dec_block_n=64)]),
+    ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)]),
+    ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)]),
 ]
 
 
@@ -211,6 +209,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a dozen cases (those of the issue's goals among them)")
     ap.add_argument("--out", default="docs/benchmarks_gpu_sdpa.md")
     ap.add_argument("--sweep", action="store_true", help="time Tuning variants first (reported; the table keeps the defaults)")
+    ap.add_argument("--adopt", action="store_true", help="with --sweep: time the table with the sweep's winner (the report says which)")
     ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--compare", help="another version of the kernel module (a .py file), timed beside ours")
@@ -234,8 +233,9 @@ def main():
     prev = load_module(args.compare) if args.compare else None
     profile_lines = profile() if args.profile else []
     sweep_result = sweep() if args.sweep else None
+    table_tuning = sweep_result[0] if (args.adopt and sweep_result) else K.Tuning()
     cases = build_cases(args.quick)
-    log(f"{len(cases)} cases")
+    log(f"{len(cases)} cases; ours timed with {table_tuning}")
     rows, skipped = [], []
     for kind, w in cases:
         t0 = time.time()
@@ -244,7 +244,7 @@ def main():
             skipped.append(name)
             continue
         try:
-            ours, plan_us = run_ours(w)
+            ours, plan_us = run_ours(w, tuning=table_tuning)
         except Exception as e:  # noqa: BLE001  (the row says it failed; the run goes on)
             log(f"  ours failed on {w.name}: {type(e).__name__}: {e}")
             ours = plan_us = None
@@ -253,7 +253,7 @@ def main():
         if prev is not None:
             try:  # timed twice around a second time of ours: the two versions side by side
                 prev_us = run_ours(w, prev)[0]
-                ours = min(ours, run_ours(w)[0]) if ours else ours
+                ours = min(ours, run_ours(w, tuning=table_tuning)[0]) if ours else ours
                 prev_us = min(prev_us, run_ours(w, prev)[0])
             except Exception as e:  # noqa: BLE001
                 log(f"  --compare failed on {w.name}: {type(e).__name__}: {e}")
@@ -293,7 +293,7 @@ def main():
 
     text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + " ".join(sys.argv[1:]), prop=prop,
                            read_tbs=read_tbs, mm_tf=mm_tf, rows=rows, num=num, compare=args.compare,
-                           sweep=sweep_result, profile=profile_lines, skipped=skipped, budget_s=args.budget_s,
+                           sweep=sweep_result, table_tuning=table_tuning, profile=profile_lines, skipped=skipped, budget_s=args.budget_s,
                            wall_s=time.time() - t_start)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

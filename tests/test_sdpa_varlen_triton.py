@@ -13,6 +13,7 @@ NATIVE = os.environ.get("SDPA_VARLEN_NATIVE") == "1"
 if not NATIVE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -246,6 +247,17 @@ def test_key_tile_across_the_ring_wrap(later_first, causal):
     q_pos = torch.arange(144, 160)
     args = [torch.randn(16, hq, d, generator=g), k, v, q_pos, torch.zeros(16, dtype=torch.int64), seq_info]
     check([a.to(DEVICE) for a in args], 1, causal, 50, tuning=K.Tuning(pre_block_n=16, target_ctas=1))
+
+
+@needs_kernels
+def test_two_launches_match_one():
+    """Tuning.split_launch (decode items, then multi-token items, each launch merging its own
+    splits) computes exactly what one launch does, splits included."""
+    args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=13)
+    one, _, n_split = check(args, 5, True, 0, expect_split=True, **SMALL)
+    two, _, _ = check(args, 5, True, 0, expect_split=True,
+                      tuning=dataclasses.replace(SMALL["tuning"], split_launch=True))
+    assert n_split >= 2 and torch.equal(one, two)
 
 
 @needs_kernels

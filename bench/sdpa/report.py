@@ -52,7 +52,7 @@ def goals(rows) -> list[str]:
     return out
 
 
-def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, profile, skipped, budget_s, wall_s) -> str:
+def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, table_tuning, profile, skipped, budget_s, wall_s) -> str:
     md = ["# sdpa_varlen (Triton) on GPU", "",
           f"- command: `{cmd}`", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
           f"- GPU: {prop.name} ({prop.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}",
@@ -74,6 +74,7 @@ def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, profile, 
           "(compile per shape does not fit the time)",
           "- et: ExecuTorch Triton SDPA (sdpa_decode_splitk, uniform decode only)"
           + ("" if et_decode is not None else " — n/a: executorch not importable on this machine"),
+          f"- ours timed with `{table_tuning}`",
           "- mixed step: sdpa = two calls (the decodes, then the chunk) in one graph",
           "- peers skipped ('mem') where their padded/repeated K/V would pass 30 GB"]
     if compare:
@@ -100,7 +101,7 @@ def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, profile, 
     md += [f"| {name} | {eo:.2e} | {ep:.2e} |" for name, eo, ep in num]
     if sweep:
         chosen, default, report = sweep
-        md += ["", "## Tuning sweep (our kernel; the table above uses `Tuning()`, the defaults)", "",
+        md += ["", "## Tuning sweep (our kernel; the table above names the Tuning it was timed with)", "",
                f"fastest on the sweep cases: `{chosen}`", "", f"defaults: `{default}`", "",
                "| group, variant | sum of time ratios to the group's first | cases |", "|---|---:|---|"] + report
     if profile:

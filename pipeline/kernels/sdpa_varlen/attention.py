@@ -236,8 +236,9 @@ def _sdpa_varlen_fwd(
     BLOCK_M: tl.constexpr, M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr,
     DEC_STAGES: tl.constexpr, PRE_STAGES: tl.constexpr, SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    NBF_: tl.constexpr,
+    NBF_: tl.constexpr, MODE: tl.constexpr,
 ):
+    """MODE 0: every item; 1: decode items only; 2: multi-token items only (two launches)."""
     p = tl.program_id(0)
     h = tl.program_id(1)
     # all loads independent of each other: the item record (p < W_MAX is in bounds)
@@ -261,19 +262,21 @@ def _sdpa_varlen_fwd(
     tickets = plan + TICKETS_OFF
     if p < n_items:
         if ntok == 1:
-            _attend(q, k, v, out, part_o, part_ml, tickets,
-                    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-                    h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
-                    pslot0, split, scale_log2, window,
-                    M_DEC, G, G_PAD, D, DV, BN_DEC, BLOCK_M, DEC_STAGES, False, SPL_DEC, G_PAD,
-                    CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+            if MODE != 2:
+                _attend(q, k, v, out, part_o, part_ml, tickets,
+                        stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                        h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                        pslot0, split, scale_log2, window,
+                        M_DEC, G, G_PAD, D, DV, BN_DEC, BLOCK_M, DEC_STAGES, False, SPL_DEC, G_PAD,
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST)
         else:
-            _attend(q, k, v, out, part_o, part_ml, tickets,
-                    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-                    h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
-                    pslot0, split, scale_log2, window,
-                    BLOCK_M, G, G_PAD, D, DV, BN_PRE, BLOCK_M, PRE_STAGES, True, SPL_PRE, BLOCK_M,
-                    CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+            if MODE != 1:
+                _attend(q, k, v, out, part_o, part_ml, tickets,
+                        stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                        h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                        pslot0, split, scale_log2, window,
+                        BLOCK_M, G, G_PAD, D, DV, BN_PRE, BLOCK_M, PRE_STAGES, True, SPL_PRE, BLOCK_M,
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST)
 
 
 def interpreted() -> bool:
@@ -282,7 +285,8 @@ def interpreted() -> bool:
 
 def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, columns: int,
                 scale: float, causal: bool, window: int, geo: Geometry, launch=None) -> Tensor:
-    """Attention of one layer along a plan from ``plan_impl``: one launch.  The plan's merge
+    """Attention of one layer along a plan from ``plan_impl``: one launch (two with
+    ``Tuning.split_launch``).  The plan's merge
     tickets are zero before and after it (the launch that uses a ticket resets it)."""
     wrap = launch if launch is not None else (lambda fn: fn)
     n_tok, hq, d = q.shape
@@ -293,16 +297,19 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     out = q.new_empty(n_tok, hq, dv)
     part_o = torch.empty(geo.target_items * hkv * geo.block_m * dv, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(geo.target_items * hkv * geo.block_m * 2, dtype=torch.float32, device=q.device)
-    wrap(_sdpa_varlen_fwd)[(geo.w_max, hkv)](
-        q, k_store, v_store, out, plan, part_o, part_ml,
-        q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
-        v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
-        columns, scale * _LOG2E, window, geo.tickets_off, geo.rec_off,
-        G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, M_DEC=geo.m_dec,
-        BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
-        SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre,
-        CAUSAL=causal, HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
-        UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
-        num_warps=geo.warps, num_stages=max(geo.dec_stages, geo.pre_stages),
-    )
+    args = (q, k_store, v_store, out, plan, part_o, part_ml,
+            q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
+            v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
+            columns, scale * _LOG2E, window, geo.tickets_off, geo.rec_off)
+    consts = dict(G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, M_DEC=geo.m_dec,
+                  BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
+                  SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, CAUSAL=causal, HAS_WINDOW=window > 0,
+                  IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF)
+    grid = (geo.w_max, hkv)
+    if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits
+        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=1, num_warps=geo.dec_warps, num_stages=geo.dec_stages)
+        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=2, num_warps=geo.pre_warps, num_stages=geo.pre_stages)
+    else:
+        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=0, num_warps=geo.pre_warps,
+                                     num_stages=max(geo.dec_stages, geo.pre_stages))
     return out

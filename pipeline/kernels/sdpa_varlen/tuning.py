@@ -13,17 +13,21 @@ import torch
 @dataclass(frozen=True)
 class Tuning:
     """Tiles are given for 2-byte elements and D <= 128; ``geometry`` shrinks them for more
-    bytes per key."""
+    bytes per key.  The defaults are the winners of ``bench/sdpa_varlen.py --sweep`` on an H200
+    (docs/benchmarks_gpu_sdpa.md)."""
 
-    dec_block_n: int = 64  # keys per tile of a one-token (decode) block
+    dec_block_n: int = 128  # keys per tile of a one-token (decode) block
     dec_stages: int = 2  # software-pipelining depth of the decode key loop
     pre_block_m: int = 64  # rows (tokens x query heads) of a multi-token (prefill / draft) tile
     pre_block_n: int = 64  # keys per tile of a multi-token block
     pre_stages: int = 3  # pipelining depth of the multi-token key loops
-    warps: int = 4  # one launch serves both kinds of block: one warp count
+    dec_warps: int = 4  # warps of a decode program (with split_launch)
+    pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
+    split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
+    # for its own kind (registers, warps); False: one launch for both (registers of the larger path)
     target_ctas: int = 528  # ~4 programs per SM of an H200 (132 SMs): the splits aim at this many
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
-    min_chunk_multi: int = 256  # shortest split of a multi-token block (its partials are block_m rows)
+    min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
 
     def __post_init__(self) -> None:
@@ -31,7 +35,7 @@ class Tuning:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= 16 is allowed")
-        for name in ("dec_stages", "pre_stages", "warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile"):
+        for name in ("dec_stages", "pre_stages", "dec_warps", "pre_warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
 
@@ -63,7 +67,9 @@ class Geometry:
     bn_pre: int
     dec_stages: int
     pre_stages: int
-    warps: int
+    dec_warps: int
+    pre_warps: int
+    split_launch: bool
     min_chunk: int
     min_chunk_multi: int
     spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
@@ -104,7 +110,8 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         g=g, g_pad=g_pad, block_m=block_m, tokb=tokb, m_dec=max(16, g_pad),
         bn_dec=max(16, tuning.dec_block_n // shrink), bn_pre=max(16, tuning.pre_block_n // shrink),
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
-        pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages, warps=tuning.warps,
+        pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages,
+        dec_warps=tuning.dec_warps, pre_warps=tuning.pre_warps, split_launch=tuning.split_launch,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
         target_items=target_items, n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
