@@ -234,9 +234,21 @@ def main():
     profile_lines = profile() if args.profile else []
     sweep_result = sweep() if args.sweep else None
     table_tuning = sweep_result[0] if (args.adopt and sweep_result) else K.Tuning()
+    rows, skipped, num = [], [], []
+
+    def write_report(final: bool = False) -> str:
+        """The report so far, written after every row: a run cut short keeps what it measured."""
+        text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + " ".join(sys.argv[1:]), prop=prop,
+                               read_tbs=read_tbs, mm_tf=mm_tf, rows=rows, num=num, compare=args.compare,
+                               sweep=sweep_result, table_tuning=table_tuning, profile=profile_lines, skipped=skipped,
+                               budget_s=args.budget_s, wall_s=time.time() - t_start, final=final)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+        return text
+
     cases = build_cases(args.quick)
     log(f"{len(cases)} cases; ours timed with {table_tuning}")
-    rows, skipped = [], []
     for kind, w in cases:
         t0 = time.time()
         name = f"{w.hq}/{w.hkv} D{w.d} {w.name}"
@@ -280,9 +292,9 @@ def main():
         log(f"[{time.time() - t_start:6.1f}s] {name}: KV {row['kv']:.3f} GB  ours {report.fmt(ours)} us"
             f" (+ plan {report.fmt(plan_us)} us per step)" + (f" prev {report.fmt(prev_us)} us" if prev is not None else "")
             + f"  {row['tbs'] or 0:.2f} TB/s  {row['tf'] or 0:.1f} TFLOP/s | {ps}  ({time.time() - t0:.1f}s)")
+        write_report()
 
     log("numerics ...")
-    num = []
     for hq, hkv, d, n, nq, b in [(32, 8, 128, 8192, 1, 4), (32, 8, 128, 2048, 512, 1), (16, 2, 256, 4096, 16, 2)]:
         try:
             eo, ep = numerics(hq, hkv, d, n, nq, b)
@@ -291,14 +303,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             log(f"  numerics failed: {type(e).__name__}: {e}")
 
-    text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + " ".join(sys.argv[1:]), prop=prop,
-                           read_tbs=read_tbs, mm_tf=mm_tf, rows=rows, num=num, compare=args.compare,
-                           sweep=sweep_result, table_tuning=table_tuning, profile=profile_lines, skipped=skipped, budget_s=args.budget_s,
-                           wall_s=time.time() - t_start)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    log(text)
+    log(write_report(True))
 
 
 if __name__ == "__main__":
