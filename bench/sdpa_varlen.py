@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.sdpa import peers, report  # noqa: E402
 from bench.sdpa.timing import DEV, DT, GB, log, n_rot, time_fn  # noqa: E402
-from bench.sdpa.workloads import FLEX_CASES, Work, build_cases, sweep_cases  # noqa: E402
+from bench.sdpa.workloads import FLEX_CASES, Work, build_cases, small_cases, sweep_cases  # noqa: E402
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.sdpa_varlen import attention as K_attention  # noqa: E402
 
@@ -119,17 +119,20 @@ SWEEP = [
     ("decode tile", "dec", [dict(dec_block_n=128), dict(dec_block_n=64)]),
     ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)]),
     ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)]),
+    ("merge levels", "small", [dict(merge_group=8), dict(merge_group=0)]),
 ]
 
 
-def sweep():
+def sweep(groups=None):
     """Each group's variants timed on its cases (decode; multi-token; all) on top of the
     winners of the groups before; the lowest sum of time ratios to the group's first wins."""
     dec_cases, pre_cases = sweep_cases()
     chosen = K.Tuning()
     lines = []
     for group, which, variants in SWEEP:
-        cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases}[which]
+        if groups and group not in groups:
+            continue
+        cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "small": small_cases()}[which]
         best, best_t, ref = None, float("inf"), {}
         for var in variants:
             tuning = dataclasses.replace(chosen, **var)
@@ -209,6 +212,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a dozen cases (those of the issue's goals among them)")
     ap.add_argument("--out", default="docs/benchmarks_gpu_sdpa.md")
     ap.add_argument("--sweep", action="store_true", help="time Tuning variants first (reported; the table keeps the defaults)")
+    ap.add_argument("--sweep-group", action="append", help="with --sweep: only this group (repeatable)")
+    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no table after it")
     ap.add_argument("--adopt", action="store_true", help="with --sweep: time the table with the sweep's winner (the report says which)")
     ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
@@ -232,7 +237,7 @@ def main():
 
     prev = load_module(args.compare) if args.compare else None
     profile_lines = profile() if args.profile else []
-    sweep_result = sweep() if args.sweep else None
+    sweep_result = sweep(args.sweep_group) if args.sweep else None
     table_tuning = sweep_result[0] if (args.adopt and sweep_result) else K.Tuning()
     rows, skipped, num = [], [], []
 
@@ -247,7 +252,7 @@ def main():
             f.write(text)
         return text
 
-    cases = build_cases(args.quick)
+    cases = [] if args.sweep_only else build_cases(args.quick)
     log(f"{len(cases)} cases; ours timed with {table_tuning}")
     for kind, w in cases:
         t0 = time.time()

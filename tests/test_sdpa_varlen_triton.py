@@ -356,13 +356,14 @@ def test_planned_ops_match_one_call():
 
 
 @needs_kernels
-@pytest.mark.parametrize("per_load", [1, 2, 4])
-def test_merge_of_many_splits(per_load):
+@pytest.mark.parametrize("per_load,group", [(1, 0), (2, 0), (4, 0), (1, 3), (2, 2)])
+def test_merge_of_many_splits(per_load, group):
     """A long sequence split many times, merged by the last of its items to finish, a few
-    splits per load (odd remainders included); splits in proportion to each block's keys."""
+    splits per load (odd remainders included); splits in proportion to each block's keys; with
+    ``group``, in two levels (groups of that many items, then the groups; a short last group)."""
     # per_load splits per merge load for G_PAD=2, 16 columns
     tuning = K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16,
-                      merge_tile=per_load * 2 * 16)
+                      merge_tile=per_load * 2 * 16, merge_group=group)
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
     args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4 + per_load)

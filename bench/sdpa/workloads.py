@@ -136,3 +136,11 @@ def sweep_cases():
            Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True),
            Work("prefill 8k hist 0", hq, hkv, d, [(8192, 8192, 0)], True)]
     return dec, pre
+
+
+def small_cases():
+    """Single and few sequences, where a split block's merge weighs most (G = 4 and G = 8)."""
+    return [Work("decode 32/8 B=1 L=32k", 32, 8, 128, [(32768, 1, 0)], True),
+            Work("decode 64/8 B=1 L=32k", 64, 8, 128, [(32768, 1, 0)], True),
+            Work("decode 32/8 B=16 L=8k", 32, 8, 128, [(8192, 1, 0)] * 16, True),
+            Work("draft16 32/8 B=4 L=8k", 32, 8, 128, [(8192, 16, 0)] * 4, False)]

@@ -48,11 +48,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, ns, pslot0,
+def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, ns, pslot0, pstride, to_slot,
                 G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr,
                 R: tl.constexpr, SPL: tl.constexpr):
-    """Log-sum-exp merge of the ns partials of one block for one KV head, in slot order: R
-    rows (token * G_PAD + head, as in the attention tile) at once, SPL splits per load.
+    """Log-sum-exp merge of the ns partials in slots pslot0, pslot0 + pstride, ... of one
+    block for one KV head, in slot order: R rows (token * G_PAD + head, as in the attention
+    tile) at once, SPL splits per load.  to_slot < 0: the normalised output is written;
+    otherwise the merged partial (acc, max, sum) goes to slot to_slot, for a second level.
     Loads bypass L1 (``.cg``): the partials were written by other programs of this launch."""
     r = tl.arange(0, R)
     tok_in = r // G_PAD
@@ -65,7 +67,7 @@ def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, 
     acc = tl.zeros([R, DV], tl.float32)
     for s0 in range(0, ns, SPL):
         sidx = s0 + sp
-        rows = ((pslot0 + sidx).to(tl.int64) * hkv + h)[:, None] * PM + r[None, :]
+        rows = ((pslot0 + sidx * pstride).to(tl.int64) * hkv + h)[:, None] * PM + r[None, :]
         ok = (sidx < ns)[:, None] & rvalid[None, :]  # [SPL, R]
         ms = tl.load(part_ml + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
         ls = tl.load(part_ml + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
@@ -78,10 +80,28 @@ def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, 
         acc = acc * a[:, None] + tl.sum(os_ * c[:, :, None], 0)
         l_i = l_i * a + tl.sum(ls * c, 0)
         m_i = m_new
-    inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
-    op = (out + (tok0 + tok_in).to(tl.int64)[:, None] * stride_ot + (h * G + hg)[:, None] * stride_oh
-          + offs_dv[None, :])
-    tl.store(op, (acc * inv[:, None]).to(out.dtype.element_ty), mask=rvalid[:, None])
+    if to_slot >= 0:
+        base = (to_slot.to(tl.int64) * hkv + h) * PM
+        tl.store(part_o + (base + r)[:, None] * DV + offs_dv[None, :], acc, mask=rvalid[:, None])
+        tl.store(part_ml + (base + r) * 2, m_i, mask=rvalid)
+        tl.store(part_ml + (base + r) * 2 + 1, l_i, mask=rvalid)
+    else:
+        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        op = (out + (tok0 + tok_in).to(tl.int64)[:, None] * stride_ot + (h * G + hg)[:, None] * stride_oh
+              + offs_dv[None, :])
+        tl.store(op, (acc * inv[:, None]).to(out.dtype.element_ty), mask=rvalid[:, None])
+
+
+@triton.jit
+def _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
+                G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr,
+                R: tl.constexpr, SPL: tl.constexpr):
+    """One level: the last of the block's nsplit items to take the ticket merges them all."""
+    ticket = tickets + pslot0 * hkv + h
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
+        _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0, 1, -1,
+                    G, G_PAD, DV, PM, R, SPL)
+        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next layer's launch
 
 
 @triton.jit
@@ -151,7 +171,7 @@ def _attend(
     M: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BN: tl.constexpr, PM: tl.constexpr, STAGES: tl.constexpr, MULTI: tl.constexpr, SPL: tl.constexpr,
     MERGE_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr,
 ):
     """One item for KV head h: keys [kstart, kend) of the block's key index against an M-row
     query tile.  MULTI: several query tokens, whose causal / window bounds differ per row; a
@@ -220,11 +240,30 @@ def _attend(
         tl.store(part_ml + (base + r) * 2, m_i, mask=rvalid)
         tl.store(part_ml + (base + r) * 2 + 1, l_i, mask=rvalid)
         tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
-        ticket = tickets + pslot0 * hkv + h
-        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
-            _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
+        if MERGE_GROUP == 0:
+            _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
                         G, G_PAD, DV, PM, MERGE_R, SPL)
-            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next layer's launch
+        elif nsplit <= MERGE_GROUP:
+            _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
+                        G, G_PAD, DV, PM, MERGE_R, SPL)
+        else:
+            # two levels: the last item of each group of MERGE_GROUP merges the group into the
+            # group's first slot; the last group to finish merges the groups (slot stride MERGE_GROUP).
+            # Tickets: a group's at its first slot, the block's at slot pslot0 + 1 (never a group's).
+            first = (split // MERGE_GROUP) * MERGE_GROUP
+            gticket = tickets + (pslot0 + first) * hkv + h
+            if tl.atomic_add(gticket, 1, sem="acq_rel", scope="gpu") == tl.minimum(MERGE_GROUP, nsplit - first) - 1:
+                _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok,
+                            tl.minimum(MERGE_GROUP, nsplit - first), pslot0 + first, 1, pslot0 + first,
+                            G, G_PAD, DV, PM, MERGE_R, SPL)
+                tl.atomic_xchg(gticket, 0, sem="relaxed", scope="gpu")
+                tl.debug_barrier()  # the group's partial is written before the block's ticket
+                bticket = tickets + (pslot0 + 1) * hkv + h
+                n_groups = (nsplit + MERGE_GROUP - 1) // MERGE_GROUP
+                if tl.atomic_add(bticket, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+                    _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, n_groups, pslot0,
+                                MERGE_GROUP, -1, G, G_PAD, DV, PM, MERGE_R, SPL)
+                    tl.atomic_xchg(bticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -236,7 +275,7 @@ def _sdpa_varlen_fwd(
     BLOCK_M: tl.constexpr, M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr,
     DEC_STAGES: tl.constexpr, PRE_STAGES: tl.constexpr, SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    NBF_: tl.constexpr, MODE: tl.constexpr,
+    NBF_: tl.constexpr, MODE: tl.constexpr, MERGE_GROUP: tl.constexpr,
 ):
     """MODE 0: every item; 1: decode items only; 2: multi-token items only (two launches)."""
     p = tl.program_id(0)
@@ -268,7 +307,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         M_DEC, G, G_PAD, D, DV, BN_DEC, BLOCK_M, DEC_STAGES, False, SPL_DEC, G_PAD,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
         else:
             if MODE != 1:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
@@ -276,7 +315,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M, G, G_PAD, D, DV, BN_PRE, BLOCK_M, PRE_STAGES, True, SPL_PRE, BLOCK_M,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
 
 
 def interpreted() -> bool:
@@ -304,7 +343,8 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     consts = dict(G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, M_DEC=geo.m_dec,
                   BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
                   SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, CAUSAL=causal, HAS_WINDOW=window > 0,
-                  IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF)
+                  IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
+                  MERGE_GROUP=geo.merge_group)
     grid = (geo.w_max, hkv)
     if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=1, num_warps=geo.dec_warps, num_stages=geo.dec_stages)

@@ -29,8 +29,11 @@ class Tuning:
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
+    merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
 
     def __post_init__(self) -> None:
+        if self.merge_group < 0 or self.merge_group == 1:
+            raise ValueError(f"Tuning.merge_group={self.merge_group}: 0 (one level) or >= 2 is allowed")
         for name in ("dec_block_n", "pre_block_m", "pre_block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -70,6 +73,7 @@ class Geometry:
     dec_warps: int
     pre_warps: int
     split_launch: bool
+    merge_group: int
     min_chunk: int
     min_chunk_multi: int
     spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
@@ -112,6 +116,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
         pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages,
         dec_warps=tuning.dec_warps, pre_warps=tuning.pre_warps, split_launch=tuning.split_launch,
+        merge_group=tuning.merge_group,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
         target_items=target_items, n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
