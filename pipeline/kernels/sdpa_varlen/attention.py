@@ -45,6 +45,7 @@ from .plan import (
 from .tuning import Geometry
 
 _LOG2E = 1.4426950408889634
+_ONE_LEVEL = 1 << 30  # the merge group of Tuning.merge_group=0: every split block merges in one level
 
 
 @triton.jit
@@ -240,10 +241,7 @@ def _attend(
         tl.store(part_ml + (base + r) * 2, m_i, mask=rvalid)
         tl.store(part_ml + (base + r) * 2 + 1, l_i, mask=rvalid)
         tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
-        if MERGE_GROUP == 0:
-            _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
-                        G, G_PAD, DV, PM, MERGE_R, SPL)
-        elif nsplit <= MERGE_GROUP:
+        if nsplit <= MERGE_GROUP:  # one level (MERGE_GROUP is _ONE_LEVEL where Tuning.merge_group is 0)
             _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
                         G, G_PAD, DV, PM, MERGE_R, SPL)
         else:
@@ -344,7 +342,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
                   BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
                   SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, CAUSAL=causal, HAS_WINDOW=window > 0,
                   IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
-                  MERGE_GROUP=geo.merge_group)
+                  MERGE_GROUP=geo.merge_group or _ONE_LEVEL)
     grid = (geo.w_max, hkv)
     if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=1, num_warps=geo.dec_warps, num_stages=geo.dec_stages)
