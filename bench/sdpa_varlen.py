@@ -120,26 +120,36 @@ SWEEP = [
     ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)]),
     ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)]),
     ("merge levels", "small", [dict(merge_group=8), dict(merge_group=0)]),
+    ("multi-token merge", "pre", [dict(merge_launch=False, min_chunk_multi=2048), dict(merge_launch=True),
+                                  dict(merge_launch=True, min_chunk_multi=1024),
+                                  dict(merge_launch=True, min_chunk_multi=512)]),
+    ("multi-token pipeline", "pre", [dict(pre_stages=3), dict(pre_stages=4), dict(pre_stages=2)]),
+    ("split target", "dec", [dict(target_ctas=528), dict(target_ctas=264), dict(target_ctas=792)]),
+    ("decode pipeline", "dec", [dict(dec_stages=2), dict(dec_stages=3), dict(dec_block_n=64, dec_stages=4)]),
+    ("plan warps", "plan", [dict(plan_warps=4), dict(plan_warps=8), dict(plan_warps=1)]),
 ]
 
 
 def sweep(groups=None):
-    """Each group's variants timed on its cases (decode; multi-token; all) on top of the
-    winners of the groups before; the lowest sum of time ratios to the group's first wins."""
+    """Each group's variants timed on its cases (decode; multi-token; all; "plan": the plan
+    alone on all) on top of the winners of the groups before; the lowest sum of time ratios to
+    the group's first wins."""
     dec_cases, pre_cases = sweep_cases()
     chosen = K.Tuning()
     lines = []
     for group, which, variants in SWEEP:
         if groups and group not in groups:
             continue
-        cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "small": small_cases()}[which]
+        cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "plan": dec_cases + pre_cases,
+                 "small": small_cases()}[which]
         best, best_t, ref = None, float("inf"), {}
         for var in variants:
             tuning = dataclasses.replace(chosen, **var)
             line, tot = [], 0.0
             for w in cases:
                 try:
-                    us, _ = run_ours(w, tuning=tuning)
+                    us, plan_us = run_ours(w, tuning=tuning)
+                    us = plan_us if which == "plan" else us
                     tot += us / ref.setdefault(w.name, us)
                     line.append(f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF")
                 except Exception as e:  # noqa: BLE001  (the variant is out: reported, never chosen)

@@ -261,6 +261,32 @@ def test_two_launches_match_one():
 
 
 @needs_kernels
+def test_blocks_cut_from_each_run_start():
+    """A run of query tokens is cut into blocks of TOKB tokens from its first token, wherever
+    its positions start: a draft block of TOKB tokens at an unaligned position is one block
+    (its keys read once), a run of 2 TOKB + 3 is three."""
+    tuning = K.Tuning(pre_block_m=16, dec_block_n=16, pre_block_n=16)  # G_PAD 2: TOKB 8
+    seqs = [dict(col=0, n_keys=40, start_row=0, first_pos=0, n_q=8, q_first=13),  # 13..20 crosses 16
+            dict(col=1, n_keys=50, start_row=5, first_pos=0, n_q=19)]  # 31..49
+    args = make_step(seqs, columns=2, rows=64, hq=4, hkv=2, d=16, seed=11)
+    assert K.geometry_of(args[0], args[1], args[2], 2, tuning).tokb == 8
+    _, plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, tuning=tuning)
+    plan = plan.cpu()
+    ntok = [int(plan[K.HDR + b * K.NBF + int(K.F_NTOK)]) for b in range(int(plan[int(K.H_BLOCKS)]))]
+    assert ntok == [8, 8, 8, 3], ntok
+    check(args, 2, True, 0, tuning=tuning)
+    check(args, 2, False, 5, tuning=tuning)
+    # a run of 1100 tokens after one decode token: the plan's passes go 1024 tokens at a time,
+    # the run's start carried into the second
+    seqs = [dict(col=0, n_keys=5, n_q=1), dict(col=1, n_keys=1103, start_row=0, first_pos=0, n_q=1100)]
+    args = make_step(seqs, columns=2, rows=1200, hq=4, hkv=2, d=16, seed=12)
+    geo = K.geometry_of(args[0], args[1], args[2], 2, tuning)
+    plan = K.plan_impl(args[3], args[4], args[5], 2, True, 0, geo).cpu()
+    tok0 = [int(plan[K.HDR + b * K.NBF]) for b in range(int(plan[int(K.H_BLOCKS)]))]
+    assert tok0 == [0] + list(range(1, 1101, 8)), tok0[120:]
+
+
+@needs_kernels
 def test_fuzz():
     g = torch.Generator().manual_seed(123)
     for trial in range(4):
@@ -278,7 +304,8 @@ def test_fuzz():
         args = make_step(seqs, columns=columns, rows=rows, hq=hq, hkv=hkv, d=16, seed=trial)
         causal = bool(trial % 2)
         window = [0, 9][trial // 2 % 2]
-        check(args, columns, causal, window, **SMALL)
+        check(args, columns, causal, window,
+              tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4))
 
 
 @needs_kernels
@@ -309,8 +336,9 @@ def test_native_head_dims(d, dtype, hq, hkv):
     combos = [(True, 0), (False, 0), (True, 100)] if dtype != torch.float32 else [(True, 100)]
     for causal, window in combos:
         check(args, 6, causal, window)
-        check(args, 6, causal, window, tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64),
-              expect_split=True if window == 0 else None)
+        for launch in (False, True):
+            check(args, 6, causal, window, expect_split=True if window == 0 else None,
+                  tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64, merge_launch=launch))
 
 
 @needs_kernels
@@ -356,14 +384,16 @@ def test_planned_ops_match_one_call():
 
 
 @needs_kernels
-@pytest.mark.parametrize("per_load,group", [(1, 0), (2, 0), (4, 0), (1, 3), (2, 2)])
-def test_merge_of_many_splits(per_load, group):
+@pytest.mark.parametrize("per_load,group,launch", [(1, 0, False), (2, 0, False), (4, 0, False), (1, 3, False),
+                                                 (2, 2, False), (2, 3, True), (1, 0, True)])
+def test_merge_of_many_splits(per_load, group, launch):
     """A long sequence split many times, merged by the last of its items to finish, a few
     splits per load (odd remainders included); splits in proportion to each block's keys; with
-    ``group``, in two levels (groups of that many items, then the groups; a short last group)."""
+    ``group``, in two levels (groups of that many items, then the groups; a short last group);
+    with ``launch``, the split multi-token block merged by the merge launch (row tiles of 2)."""
     # per_load splits per merge load for G_PAD=2, 16 columns
     tuning = K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16,
-                      merge_tile=per_load * 2 * 16, merge_group=group)
+                      merge_tile=per_load * 2 * 16, merge_group=group, merge_launch=launch, merge_rows=2)
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
     args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4 + per_load)
@@ -375,6 +405,10 @@ def test_merge_of_many_splits(per_load, group):
     long = next(b for b in blocks if b[int(K.F_NTOK)] == 1)
     assert long[int(K.F_NSPLIT)] >= 5, f"the long sequence should have at least 5 splits: {long}"
     assert long[int(K.F_CHUNK)] * (long[int(K.F_NSPLIT)] - 1) < 300 <= long[int(K.F_CHUNK)] * long[int(K.F_NSPLIT)]
+    multi = next(i for i, b in enumerate(blocks) if b[int(K.F_NTOK)] == 3)
+    assert blocks[multi][int(K.F_NSPLIT)] >= 2 and int(plan[int(K.H_MULTI_SPLITS)]) == 1
+    geo0 = K.geometry_of(args[0], args[1], args[2], 2, tuning)
+    assert int(plan[geo0.mlist_off]) == multi, "the split list names the split multi-token block"
     geo = K.geometry_of(args[0], args[1], args[2], 2, tuning)
     assert geo.spl_dec == per_load
     tickets = plan[geo.tickets_off: geo.tickets_off + geo.n_tickets]

@@ -91,19 +91,19 @@ def build_cases(quick):
         starts = torch.randint(1, c, (b,), generator=g).tolist()
         return ("wrap", Work(f"decode wrapped B={b} L={c}", hq, hkv, d, [(c, 1, s) for s in starts], True))
 
-    def draft(b):
-        return ("draft", Work(f"draft 16 non-causal B={b} L=8192", hq, hkv, d, [(8192, 16, 0)] * b, False))
+    def draft(b, n=8192):  # n = 8197: the block's positions 8181..8196 not aligned to 16
+        return ("draft", Work(f"draft 16 non-causal B={b} L={n}", hq, hkv, d, [(n, 16, 0)] * b, False))
 
     def prefill(chunk, hist):
         return ("prefill", Work(f"prefill chunk={chunk} hist={hist}", hq, hkv, d, [(hist + chunk, chunk, 0)], True))
 
     if quick:
         return [uni(1, 32768), uni(1, 8192), uni(4, 2048), uni(16, 8192), uni(64, 8192), uni(256, 2048), skew(16, 8192),
-                skew(256, 2048), wrap(16, 8192), draft(4), draft(8), prefill(2048, 8192), prefill(8192, 0)]
+                skew(256, 2048), wrap(16, 8192), draft(4), draft(4, 8197), draft(8), prefill(2048, 8192), prefill(8192, 0)]
     cases += [uni(b, c) for b in batches for c in ctxs if fits(b, c)]
     cases += [skew(b, c) for b in (4, 16, 64, 256) for c in (2048, 8192, 32768) if b * 4 * c * per_tok <= MAX_KV_OURS]
     cases += [wrap(b, c) for b in batches for c in (8192, 32768) if fits(b, c)] + [wrap(1, 131072), wrap(4, 131072)]
-    cases += [draft(b) for b in (1, 4, 8, 32)]
+    cases += [draft(b) for b in (1, 4, 8, 32)] + [draft(4, 8197)]
     cases += [prefill(c, h) for c in (512, 2048, 8192) for h in (0, 8192)]
     cases.append(("mixed", Work("mixed 128 decodes@2k + 2k chunk", hq, hkv, d,
                                 [(2048, 1, 0)] * 128 + [(2048, 2048, 0)], True)))
@@ -133,6 +133,7 @@ def sweep_cases():
            Work("decode B=4 L=32k", hq, hkv, d, [(32768, 1, 0)] * 4, True)]
     pre = [Work("draft16 B=4 L=8k", hq, hkv, d, [(8192, 16, 0)] * 4, False),
            Work("draft16 B=8 L=8k", hq, hkv, d, [(8192, 16, 0)] * 8, False),
+           Work("draft16 B=4 L=8k+5", hq, hkv, d, [(8197, 16, 0)] * 4, False),
            Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True),
            Work("prefill 8k hist 0", hq, hkv, d, [(8192, 8192, 0)], True)]
     return dec, pre

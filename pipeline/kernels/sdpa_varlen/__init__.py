@@ -24,6 +24,7 @@ from .plan import (
     H_BLOCKS,
     H_CHUNK,
     H_ITEMS,
+    H_MULTI_SPLITS,
     H_PSLOTS,
     H_SPLIT_BLOCKS,
     H_TOTAL,
@@ -34,7 +35,7 @@ from .plan import (
 from .tuning import DEFAULT, Geometry, Tuning, geometry
 
 __all__ = [
-    "DEFAULT", "F_CHUNK", "F_ITEM0", "F_NSPLIT", "F_NTOK", "Geometry", "HDR", "H_BLOCKS", "H_CHUNK", "H_ITEMS",
+    "DEFAULT", "F_CHUNK", "F_ITEM0", "F_NSPLIT", "F_NTOK", "Geometry", "HDR", "H_BLOCKS", "H_CHUNK", "H_ITEMS", "H_MULTI_SPLITS",
     "H_PSLOTS", "H_SPLIT_BLOCKS", "H_TOTAL", "NBF", "Tuning", "attend_impl", "geometry", "geometry_of", "interpreted",
     "plan_impl", "sdpa_varlen_attend", "sdpa_varlen_plan", "sdpa_varlen_triton", "sdpa_varlen_triton_impl",
 ]

@@ -13,6 +13,9 @@ An unsplit block writes its output.  A split block writes fp32 partials (acc, ma
 scratch pool and takes a ticket (an atomic counter per block and KV head in the plan): the
 last of its items to finish merges all the partials with a log-sum-exp, in slot order (so the
 result does not depend on which finished last), and resets the ticket for the next layer.
+With ``Tuning.merge_launch`` the split multi-token blocks (whose partials are block_m rows,
+too many for one program to merge fast) are merged instead by ``_merge_split_blocks``, a
+second launch spread over (block, KV head, row tile) programs.
 
 Scores, softmax and accumulation are fp32; P is cast to V's dtype for the second product (as
 in FlashAttention).  A query that sees no key gets zeros.
@@ -40,6 +43,8 @@ from .plan import (
     F_ROW1,
     F_TOK0,
     H_ITEMS,
+    H_MULTI_SPLITS,
+    HDR,
     NBF,
 )
 from .tuning import Geometry
@@ -49,15 +54,15 @@ _ONE_LEVEL = 1 << 30  # the merge group of Tuning.merge_group=0: every split blo
 
 
 @triton.jit
-def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, ns, pslot0, pstride, to_slot,
+def _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, ns, pslot0, pstride, to_slot, r0,
                 G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr,
                 R: tl.constexpr, SPL: tl.constexpr):
     """Log-sum-exp merge of the ns partials in slots pslot0, pslot0 + pstride, ... of one
-    block for one KV head, in slot order: R rows (token * G_PAD + head, as in the attention
-    tile) at once, SPL splits per load.  to_slot < 0: the normalised output is written;
+    block for one KV head, in slot order: R rows from row r0 (row = token * G_PAD + head, as
+    in the attention tile) at once, SPL splits per load.  to_slot < 0: the normalised output is written;
     otherwise the merged partial (acc, max, sum) goes to slot to_slot, for a second level.
     Loads bypass L1 (``.cg``): the partials were written by other programs of this launch."""
-    r = tl.arange(0, R)
+    r = r0 + tl.arange(0, R)
     tok_in = r // G_PAD
     hg = r % G_PAD
     rvalid = (tok_in < ntok) & (hg < G)
@@ -100,9 +105,28 @@ def _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok
     """One level: the last of the block's nsplit items to take the ticket merges them all."""
     ticket = tickets + pslot0 * hkv + h
     if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
-        _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0, 1, -1,
+        _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0, 1, -1, 0,
                     G, G_PAD, DV, PM, R, SPL)
         tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next layer's launch
+
+
+@triton.jit
+def _merge_split_blocks(out, plan, part_o, part_ml, stride_ot, stride_oh, MLIST_OFF,
+                        G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr,
+                        R: tl.constexpr, SPL: tl.constexpr, NBF_: tl.constexpr, HDR_: tl.constexpr):
+    """The merge launch (``Tuning.merge_launch``): program (i, h, c) merges rows
+    [c * R, c * R + R) of the i-th split multi-token block of the plan's split list for KV
+    head h, after the attention launch wrote all its partials (grid bounded from shapes;
+    programs past the list or the block's rows exit)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    if i < tl.load(plan + H_MULTI_SPLITS):
+        bp = plan + HDR_ + tl.load(plan + MLIST_OFF + i) * NBF_
+        ntok = tl.load(bp + F_NTOK)
+        if c * R < ntok * G_PAD:
+            _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, tl.num_programs(1), tl.load(bp + F_TOK0), ntok,
+                        tl.load(bp + F_NSPLIT), tl.load(bp + F_PSLOT0), 1, -1, c * R, G, G_PAD, DV, PM, R, SPL)
 
 
 @triton.jit
@@ -172,7 +196,7 @@ def _attend(
     M: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BN: tl.constexpr, PM: tl.constexpr, STAGES: tl.constexpr, MULTI: tl.constexpr, SPL: tl.constexpr,
     MERGE_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr,
+    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     """One item for KV head h: keys [kstart, kend) of the block's key index against an M-row
     query tile.  MULTI: several query tokens, whose causal / window bounds differ per row; a
@@ -234,34 +258,35 @@ def _attend(
         inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         op = out + tok.to(tl.int64)[:, None] * stride_ot + qhead[:, None] * stride_oh + offs_dv[None, :]
         tl.store(op, (acc * inv[:, None]).to(out.dtype.element_ty), mask=rvalid[:, None])
-    else:  # one of several: write partials; the last of the block's items to finish merges
+    else:  # one of several: write partials; the last of the block's items to finish merges (or the merge launch)
         hkv = tl.num_programs(1)
         base = ((pslot0 + split).to(tl.int64) * hkv + h) * PM
         tl.store(part_o + (base + r)[:, None] * DV + offs_dv[None, :], acc, mask=rvalid[:, None])
         tl.store(part_ml + (base + r) * 2, m_i, mask=rvalid)
         tl.store(part_ml + (base + r) * 2 + 1, l_i, mask=rvalid)
-        tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
-        if nsplit <= MERGE_GROUP:  # one level (MERGE_GROUP is _ONE_LEVEL where Tuning.merge_group is 0)
-            _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
-                        G, G_PAD, DV, PM, MERGE_R, SPL)
-        else:
-            # two levels: the last item of each group of MERGE_GROUP merges the group into the
-            # group's first slot; the last group to finish merges the groups (slot stride MERGE_GROUP).
-            # Tickets: a group's at its first slot, the block's at slot pslot0 + 1 (never a group's).
-            first = (split // MERGE_GROUP) * MERGE_GROUP
-            gticket = tickets + (pslot0 + first) * hkv + h
-            if tl.atomic_add(gticket, 1, sem="acq_rel", scope="gpu") == tl.minimum(MERGE_GROUP, nsplit - first) - 1:
-                _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok,
-                            tl.minimum(MERGE_GROUP, nsplit - first), pslot0 + first, 1, pslot0 + first,
+        if FUSED_MERGE:  # else the merge launch merges the block's partials
+            tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
+            if nsplit <= MERGE_GROUP:  # one level (MERGE_GROUP is _ONE_LEVEL where Tuning.merge_group is 0)
+                _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
                             G, G_PAD, DV, PM, MERGE_R, SPL)
-                tl.atomic_xchg(gticket, 0, sem="relaxed", scope="gpu")
-                tl.debug_barrier()  # the group's partial is written before the block's ticket
-                bticket = tickets + (pslot0 + 1) * hkv + h
-                n_groups = (nsplit + MERGE_GROUP - 1) // MERGE_GROUP
-                if tl.atomic_add(bticket, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
-                    _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, n_groups, pslot0,
-                                MERGE_GROUP, -1, G, G_PAD, DV, PM, MERGE_R, SPL)
-                    tl.atomic_xchg(bticket, 0, sem="relaxed", scope="gpu")
+            else:
+                # two levels: the last item of each group of MERGE_GROUP merges the group into the
+                # group's first slot; the last group to finish merges the groups (slot stride MERGE_GROUP).
+                # Tickets: a group's at its first slot, the block's at slot pslot0 + 1 (never a group's).
+                first = (split // MERGE_GROUP) * MERGE_GROUP
+                gticket = tickets + (pslot0 + first) * hkv + h
+                if tl.atomic_add(gticket, 1, sem="acq_rel", scope="gpu") == tl.minimum(MERGE_GROUP, nsplit - first) - 1:
+                    _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok,
+                                tl.minimum(MERGE_GROUP, nsplit - first), pslot0 + first, 1, pslot0 + first, 0,
+                                G, G_PAD, DV, PM, MERGE_R, SPL)
+                    tl.atomic_xchg(gticket, 0, sem="relaxed", scope="gpu")
+                    tl.debug_barrier()  # the group's partial is written before the block's ticket
+                    bticket = tickets + (pslot0 + 1) * hkv + h
+                    n_groups = (nsplit + MERGE_GROUP - 1) // MERGE_GROUP
+                    if tl.atomic_add(bticket, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+                        _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, n_groups, pslot0,
+                                    MERGE_GROUP, -1, 0, G, G_PAD, DV, PM, MERGE_R, SPL)
+                        tl.atomic_xchg(bticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -273,7 +298,7 @@ def _sdpa_varlen_fwd(
     BLOCK_M: tl.constexpr, M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr,
     DEC_STAGES: tl.constexpr, PRE_STAGES: tl.constexpr, SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    NBF_: tl.constexpr, MODE: tl.constexpr, MERGE_GROUP: tl.constexpr,
+    NBF_: tl.constexpr, MODE: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MULTI_MERGE: tl.constexpr,
 ):
     """MODE 0: every item; 1: decode items only; 2: multi-token items only (two launches)."""
     p = tl.program_id(0)
@@ -305,7 +330,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         M_DEC, G, G_PAD, D, DV, BN_DEC, BLOCK_M, DEC_STAGES, False, SPL_DEC, G_PAD,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True)
         else:
             if MODE != 1:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
@@ -313,7 +338,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M, G, G_PAD, D, DV, BN_PRE, BLOCK_M, PRE_STAGES, True, SPL_PRE, BLOCK_M,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE)
 
 
 def interpreted() -> bool:
@@ -342,7 +367,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
                   BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
                   SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, CAUSAL=causal, HAS_WINDOW=window > 0,
                   IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
-                  MERGE_GROUP=geo.merge_group or _ONE_LEVEL)
+                  MERGE_GROUP=geo.merge_group or _ONE_LEVEL, FUSED_MULTI_MERGE=not geo.merge_launch)
     grid = (geo.w_max, hkv)
     if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=1, num_warps=geo.dec_warps, num_stages=geo.dec_stages)
@@ -350,4 +375,9 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     else:
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=0, num_warps=geo.pre_warps,
                                      num_stages=max(geo.dec_stages, geo.pre_stages))
+    if geo.merge_launch:
+        wrap(_merge_split_blocks)[(geo.target_items // 2 + 1, hkv, geo.block_m // geo.merge_rows)](
+            out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.mlist_off,
+            G=geo.g, G_PAD=geo.g_pad, DV=dv, PM=geo.block_m, R=geo.merge_rows, SPL=geo.spl_launch, NBF_=NBF, HDR_=HDR,
+            num_warps=4)
     return out

@@ -2,9 +2,11 @@
 *blocks* and the blocks' visible keys into *items*, the attention grid's work list.
 
 A block is at most ``TOKB`` consecutive query tokens of one column with consecutive
-positions (a new block starts on a column change, a position break, or a position that is a
-multiple of ``TOKB``).  The kernel finds each block's (at most two) segments through a
-per-column table built from ``seq_info``, trims them to the keys the causal and window
+positions: a *run* (tokens of one column with consecutive positions) is cut into blocks of
+``TOKB`` tokens from its first, so a draft block of up to ``TOKB`` tokens is one block (one
+read of its keys) wherever its positions start.  The kernel finds each block's (at most
+two) segments through a per-column table built from ``seq_info``, trims them to the keys
+the causal and window
 bounds leave visible, and cuts each block's visible keys into ``n`` equal items, ``n`` in
 proportion to the block's share of the step's visible keys (``target_items`` in all, about
 ``Tuning.target_ctas`` programs with the KV heads), none shorter than ``min_chunk`` keys
@@ -13,7 +15,8 @@ and zeroes the merge tickets.  The number of blocks is bounded from shapes by
 ``min(T, T // TOKB + 2 * min(T, columns) + 1)``; this holds when each sequence's tokens are
 contiguous in q (the contract).
 
-The plan is int32 words: [header | blocks | item marks | merge tickets | item records], the
+The plan is int32 words: [header | blocks | item marks | merge tickets | split list | item
+records] (the split list: the multi-token blocks that are split, for the merge launch), the
 fields named once below (``H_*`` header words, ``F_*`` fields of a block or item record);
 ``tuning.geometry`` gives the offsets of the parts.
 """
@@ -25,14 +28,15 @@ from torch import Tensor
 
 from .tuning import Geometry
 
-# ---- the plan: int32 words.  [header | blocks | item marks | merge tickets | item records]
-HDR = 16  # header words: H_BLOCKS, H_ITEMS, H_SPLIT_BLOCKS, H_CHUNK, H_TOTAL, H_PSLOTS
+# ---- the plan: int32 words.  [header | blocks | item marks | merge tickets | split list | item records]
+HDR = 16  # header words: H_BLOCKS, H_ITEMS, H_SPLIT_BLOCKS, H_CHUNK, H_TOTAL, H_PSLOTS, H_MULTI_SPLITS
 H_BLOCKS = tl.constexpr(0)
 H_ITEMS = tl.constexpr(1)
 H_SPLIT_BLOCKS = tl.constexpr(2)
 H_CHUNK = tl.constexpr(3)  # visible keys / target items: the nominal split (blocks round it to themselves)
 H_TOTAL = tl.constexpr(4)  # visible keys of the step (per KV head)
 H_PSLOTS = tl.constexpr(5)  # partial slots in use
+H_MULTI_SPLITS = tl.constexpr(6)  # split multi-token blocks (entries of the split list)
 # A block and an item record share one layout of NBF fields; a record is its block's
 # fields plus the item's own key range.
 NBF = 16
@@ -53,6 +57,11 @@ F_CHUNK = tl.constexpr(13)  # keys per item (a multiple of the key tile)
 F_KSTART = tl.constexpr(14)  # item only: its keys [KSTART, KEND) of the block's key index
 F_KEND = tl.constexpr(15)
 _CH = 1024  # vector width of the plan kernel's passes
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -80,7 +89,7 @@ def _trim_segment(seq_info, s, lo, hi_):
 @triton.jit
 def _plan_kernel(
     q_pos, q_cols, seq_info, plan, col_seg,
-    T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
+    T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, N_MLIST, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, TOKB: tl.constexpr,
     BN: tl.constexpr, CH: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr,
 ):
@@ -88,7 +97,8 @@ def _plan_kernel(
     blk = plan + HDR
     marks = blk + NB_MAX * NBF
     tickets = marks + W_MAX
-    recs = tickets + N_TICKETS
+    mlist = tickets + N_TICKETS
+    recs = mlist + N_MLIST
     # P0: clear the per-column segment table, the item marks and the merge tickets.
     for base in range(0, columns, CH):
         c = base + offs
@@ -103,6 +113,7 @@ def _plan_kernel(
     tl.debug_barrier()
     # P1: block heads (first token, its position, the column); first segment of each column.
     nb = tl.full([], 0, tl.int32)
+    run0 = tl.full([], -1, tl.int32)  # the latest run start seen (carried across chunks)
     for base in range(0, T, CH):
         i = base + offs
         valid = i < T
@@ -111,7 +122,9 @@ def _plan_kernel(
         pcol = tl.load(q_cols + i - 1, mask=has_prev, other=-1)
         pos = tl.load(q_pos + i, mask=valid, other=0)
         ppos = tl.load(q_pos + i - 1, mask=has_prev, other=0)
-        head = valid & ((i == 0) | (col != pcol) | (pos != ppos + 1) | ((pos % TOKB) == 0))
+        run_head = valid & ((i == 0) | (col != pcol) | (pos != ppos + 1))
+        start = tl.maximum(tl.associative_scan(tl.where(run_head, i, -1), 0, _max), run0)  # of i's run
+        head = run_head | (valid & ((i - start) % TOKB == 0))
         hi = head.to(tl.int32)
         rank = nb + tl.cumsum(hi, 0) - 1
         keep = head & (rank < NB_MAX)
@@ -119,6 +132,7 @@ def _plan_kernel(
         tl.store(blk + rank * NBF + F_QPOS, pos.to(tl.int32), mask=keep)
         tl.store(blk + rank * NBF + F_COL, col.to(tl.int32), mask=keep)
         nb += tl.sum(hi, 0)
+        run0 = tl.max(start, 0)
     nb = tl.minimum(nb, NB_MAX)
     for base in range(0, S, CH):
         s = base + offs
@@ -175,6 +189,7 @@ def _plan_kernel(
     n_items = tl.full([], 0, tl.int32)
     n_pslots = tl.full([], 0, tl.int32)
     n_split = tl.full([], 0, tl.int32)
+    n_msplit = tl.full([], 0, tl.int32)
     for base in range(0, nb, CH):
         b = base + offs
         bv = b < nb
@@ -197,6 +212,9 @@ def _plan_kernel(
         n_items += tl.sum(ns, 0)
         n_pslots += tl.sum(nsp, 0)
         n_split += tl.sum(is_split.to(tl.int32), 0)
+        is_msplit = (is_split & multi).to(tl.int32)
+        tl.store(mlist + n_msplit + tl.cumsum(is_msplit, 0) - 1, b, mask=is_msplit > 0)
+        n_msplit += tl.sum(is_msplit, 0)
     n_items = tl.minimum(n_items, W_MAX)
     tl.debug_barrier()
     # P5: block of each item = (number of block starts <= item) - 1; one self-contained
@@ -223,6 +241,7 @@ def _plan_kernel(
     tl.store(plan + H_CHUNK, ((total + TARGET - 1) // TARGET).to(tl.int32))
     tl.store(plan + H_TOTAL, total.to(tl.int32))
     tl.store(plan + H_PSLOTS, n_pslots)
+    tl.store(plan + H_MULTI_SPLITS, n_msplit)
 
 
 
@@ -236,8 +255,9 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
     wrap(_plan_kernel)[(1,)](
         q_pos.contiguous(), q_cols.contiguous(), seq_info.contiguous(), plan, col_seg,
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
+        geo.rec_off - geo.mlist_off,
         geo.target_items, geo.min_chunk, geo.min_chunk_multi,
         CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=max(geo.bn_dec, geo.bn_pre), CH=_CH,
-        NBF=NBF, HDR=HDR, num_warps=4,
+        NBF=NBF, HDR=HDR, num_warps=geo.plan_warps,
     )
     return plan

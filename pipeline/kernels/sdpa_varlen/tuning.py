@@ -30,15 +30,20 @@ class Tuning:
     min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
     merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
+    merge_launch: bool = False  # True: split multi-token blocks are merged by a launch of their own (programs per
+    # block, KV head and tile of merge_rows rows) instead of by their last item; decode blocks always merge fused
+    merge_rows: int = 16  # rows (tokens x query heads) of one program of that merge launch
+    plan_warps: int = 4  # warps of the plan kernel (one program)
 
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
             raise ValueError(f"Tuning.merge_group={self.merge_group}: 0 (one level) or >= 2 is allowed")
-        for name in ("dec_block_n", "pre_block_m", "pre_block_n"):
+        for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("merge_rows", 2)):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"Tuning.{name}={value}: a power of two >= 16 is allowed")
-        for name in ("dec_stages", "pre_stages", "dec_warps", "pre_warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile"):
+            if value < least or value & (value - 1):
+                raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
+        for name in ("dec_stages", "pre_stages", "dec_warps", "pre_warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile",
+                     "plan_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
 
@@ -78,11 +83,16 @@ class Geometry:
     min_chunk_multi: int
     spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
     spl_pre: int
+    plan_warps: int
+    merge_launch: bool
+    merge_rows: int  # rows of a program of the merge launch (<= block_m)
+    spl_launch: int  # partial slots merged per load by the merge launch
     target_items: int  # items the splits aim at (per KV head); also the most partial slots
     n_tickets: int  # one merge ticket per (partial slot, KV head)
     nb_max: object  # most blocks
     w_max: object  # most items (the attention grid)
     tickets_off: object  # offsets in the plan (plan.py: its layout)
+    mlist_off: object
     rec_off: object
     plan_len: object
 
@@ -108,8 +118,10 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     target_items = max(1, -(-tuning.target_ctas // hkv))
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
-    rec_off = tickets_off + target_items * hkv
+    mlist_off = tickets_off + target_items * hkv
+    rec_off = mlist_off + target_items // 2 + 1  # a split block has >= 2 of the target_items partial slots
     wide = elem_bytes > 2
+    merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
         g=g, g_pad=g_pad, block_m=block_m, tokb=tokb, m_dec=max(16, g_pad),
         bn_dec=max(16, tuning.dec_block_n // shrink), bn_pre=max(16, tuning.pre_block_n // shrink),
@@ -119,6 +131,8 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         merge_group=tuning.merge_group,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
+        plan_warps=tuning.plan_warps, merge_launch=tuning.merge_launch, merge_rows=merge_rows,
+        spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
         target_items=target_items, n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
-        tickets_off=tickets_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
+        tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
