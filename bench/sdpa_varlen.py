@@ -115,7 +115,8 @@ def numerics(hq, hkv, d, n_keys, n_q, B):
 # the sweep: groups of variants of Tuning, each group on top of the winners of the groups before
 # (each group's first variant is the running choice, the reference of its ratios)
 SWEEP = [
-    ("launches", "all", [dict(split_launch=False), dict(split_launch=True)]),
+    ("launches", "all", [dict(split_launch=False), dict(split_launch=True),
+                         dict(split_launch=True, dec_warps=2)]),
     ("decode tile", "dec", [dict(dec_block_n=128), dict(dec_block_n=64)]),
     ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)]),
     ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)]),
