@@ -16,8 +16,8 @@ class Tuning:
     bytes per key.  The defaults are the winners of ``bench/sdpa_varlen.py --sweep`` on an H200
     (docs/benchmarks_gpu_sdpa.md)."""
 
-    dec_block_n: int = 128  # keys per tile of a one-token (decode) block
-    dec_stages: int = 2  # software-pipelining depth of the decode key loop
+    dec_block_n: int = 64  # keys per tile of a one-token (decode) block
+    dec_stages: int = 4  # software-pipelining depth of the decode key loop
     pre_block_m: int = 64  # rows (tokens x query heads) of a multi-token (prefill / draft) tile
     pre_block_n: int = 64  # keys per tile of a multi-token block
     pre_stages: int = 3  # pipelining depth of the multi-token key loops
@@ -25,7 +25,7 @@ class Tuning:
     pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
     split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
     # for its own kind (registers, warps); False: one launch for both (registers of the larger path)
-    target_ctas: int = 528  # ~4 programs per SM of an H200 (132 SMs): the splits aim at this many
+    target_ctas: int = 264  # ~2 programs per SM of an H200 (132 SMs): the splits aim at this many
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
@@ -33,7 +33,7 @@ class Tuning:
     merge_launch: bool = False  # True: split multi-token blocks are merged by a launch of their own (programs per
     # block, KV head and tile of merge_rows rows) instead of by their last item; decode blocks always merge fused
     merge_rows: int = 16  # rows (tokens x query heads) of one program of that merge launch
-    plan_warps: int = 4  # warps of the plan kernel (one program)
+    plan_warps: int = 8  # warps of the plan kernel (one program)
 
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
