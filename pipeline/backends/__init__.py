@@ -5,7 +5,7 @@ that answers everything the stages ask of it.
     compile    programs(lowered)     the graphs the backend compiles (custom ops it has no kernel
                                      for inlined as ATen), on copies where it edits them
                partitioners(methods), edge_ir_check, share_mutable_buffers, reinplace_stores,
-               one_retrace, write_data(...)
+               one_retrace, lowering(), write_data(...)
     validate   session(...)          the Session the episode drives, and what runs it
     runner     needs_gpu             compile and validate need a CUDA GPU
 
@@ -77,6 +77,11 @@ class Backend:
     def partitioners(self, methods: list[str]):
         """ExecuTorch partitioners: a list for every method, or {method: list}."""
         return []
+
+    @contextlib.contextmanager
+    def lowering(self):
+        """Around compile's lowering (the partitioners and the backend's preprocess)."""
+        yield
 
     def write_data(self, program, workdir: Path) -> None:
         """Files beside model.pte (.ptd) that the program needs at run time."""

@@ -30,11 +30,13 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
         partitioners = {name: partitioners for name in lowered}
     config = EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check)
     print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(lowered)}", flush=True)
-    if backend.one_retrace and one_retrace_lowering.one_retrace(partitioners):  # the same lowering, one retrace per method (passes/edge.py)
-        edge = one_retrace_lowering.to_edge_transform_and_lower(backend, lowered, partitioners, constant_methods(sections), config)
-    else:
-        edge = to_edge_transform_and_lower(backend.programs(lowered), partitioner=partitioners,
-                                           constant_methods=constant_methods(sections), compile_config=config)
+    with backend.lowering():
+        if backend.one_retrace and one_retrace_lowering.one_retrace(partitioners):  # one retrace per method
+            edge = one_retrace_lowering.to_edge_transform_and_lower(backend, lowered, partitioners,
+                                                                    constant_methods(sections), config)
+        else:
+            edge = to_edge_transform_and_lower(backend.programs(lowered), partitioner=partitioners,
+                                               constant_methods=constant_methods(sections), compile_config=config)
     partitions = {}
     for name in lowered:
         graph = edge.exported_program(name).graph
