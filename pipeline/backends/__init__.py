@@ -5,7 +5,7 @@ that answers everything the stages ask of it.
     compile    programs(lowered)     the graphs the backend compiles (custom ops it has no kernel
                                      for inlined as ATen), on copies where it edits them
                partitioners(methods), edge_ir_check, share_mutable_buffers, reinplace_stores,
-               write_data(...)
+               one_retrace, lowering(), write_data(...)
     validate   session(...)          the Session the episode drives, and what runs it
     runner     needs_gpu             compile and validate need a CUDA GPU
 
@@ -34,6 +34,9 @@ class Backend:
     # functional index_put copies the whole store into a new tensor and copy_ writes it back, two
     # copies of every row of every column per layer and step
     reinplace_stores = True
+    # compile decomposes each method in one retrace (the inlined ops with ExecuTorch's core ATen
+    # table, ``pipeline/passes/edge.py``) instead of ``to_edge_transform_and_lower``'s four
+    one_retrace = True
 
     def attention_kernel(self) -> dict:
         """The ops lower_kv's store lowering calls: ``sdpa_varlen`` (and ``sdpa_plan`` where the
@@ -50,16 +53,22 @@ class Backend:
 
         return ATEN_DECOMPOSITIONS
 
-    def programs(self, lowered: dict) -> dict:
+    def programs(self, lowered: dict, tables: dict | None = None) -> dict:
         """The graphs the backend compiles, from lower_kv's programs, which must stay usable.
 
         ``run_decompositions`` gives new programs with their own state dicts, enough for a backend
         that drops the constants it takes but does not change tensors (XNNPACK, portable): no copy of
-        the weights, which for a real model is the largest single term of the build's memory."""
+        the weights, which for a real model is the largest single term of the build's memory.
+        ``tables``: {method: decomposition table} applied in the same retrace (compile passes
+        ExecuTorch's core ATen table there: ``pipeline/passes/edge.py``)."""
         from pipeline.passes.common_subexpressions import merge_common_subexpressions
 
-        table = self.inlined()
-        programs = {name: ep.run_decompositions(table) for name, ep in lowered.items()}
+        programs = {}
+        for name, ep in lowered.items():
+            table = (tables or {}).get(name)
+            table = table.copy() if table is not None else {}  # ExecuTorch's: torch.export's CustomDecompTable
+            table.update(self.inlined())
+            programs[name] = ep.run_decompositions(table)
         for ep in programs.values():
             merge_common_subexpressions(ep.graph_module)
             drop_provenance(ep.graph_module)
@@ -68,6 +77,11 @@ class Backend:
     def partitioners(self, methods: list[str]):
         """ExecuTorch partitioners: a list for every method, or {method: list}."""
         return []
+
+    @contextlib.contextmanager
+    def lowering(self):
+        """Around compile's lowering (the partitioners and the backend's preprocess)."""
+        yield
 
     def write_data(self, program, workdir: Path) -> None:
         """Files beside model.pte (.ptd) that the program needs at run time."""

@@ -21,6 +21,7 @@ class Cuda(Backend):
     # the .ptd), and delegate inputs are planned in device memory
     share_mutable_buffers = False
     reinplace_stores = False  # the store writes run inside the AOTI delegate
+    one_retrace = False  # ExecuTorch's to_edge_transform_and_lower: the one-retrace path is not measured on a GPU
 
     def attention_kernel(self) -> dict:
         import torch
@@ -38,9 +39,9 @@ class Cuda(Backend):
         cells = torch.ops.kvcache.sdpa_cells.default  # the Triton kernel stays; only the cell attention
         return {cells: ATEN_DECOMPOSITIONS[cells]}
 
-    def programs(self, lowered: dict) -> dict:
+    def programs(self, lowered: dict, tables: dict | None = None) -> dict:
         # the CUDA backend moves the tensors to the device and frees them: deep copies
-        return super().programs({name: copy.deepcopy(ep) for name, ep in lowered.items()})
+        return super().programs({name: copy.deepcopy(ep) for name, ep in lowered.items()}, tables)
 
     def partitioners(self, methods: list[str]):
         from executorch.backends.cuda.cuda_backend import CudaBackend

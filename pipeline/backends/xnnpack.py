@@ -1,7 +1,49 @@
 """XNNPACK (CPU): ExecuTorch's XnnpackPartitioner delegates what XNNPACK runs (the linears, norms,
 attention matmuls and softmax); the KV store's index ops and the mask math stay portable kernels."""
 
+import contextlib
+
 from pipeline.backends import Backend
+
+# XNNPACK's per-partition passes that act only on nodes of these ops (edge op names; "q/dq": its
+# quantize / dequantize nodes) and otherwise retrace the partition unchanged
+TRIGGERS = {
+    "FuseBatchNormPass": {"aten.native_batch_norm.default", "aten._native_batch_norm_legit_no_training.default"},
+    "DecomposeBatchNorm": {"aten.native_batch_norm.default", "aten._native_batch_norm_legit_no_training.default"},
+    "Conv1dUnsqueezePass": {"aten.convolution.default"},
+    "PReLUReshapePass": {"aten._prelu_kernel.default"},
+    "FuseActivationPass": {"aten.relu.default", "aten.hardtanh.default"},
+    "DecomposeConcatenate": {"aten.cat.default"},
+    "RemoveGetItemPass": {"aten.max_pool2d_with_indices.default", "aten.max.dim"},
+    "PropagateCustomMetaPass": {"q/dq"},
+    # its patterns (partition/graphs/bilinear_2d.py) are the kept op itself
+    "ConvertToUpsampleBilinear2d": {"aten.upsample_bilinear2d.vec"},
+}
+# passes that match subgraph patterns: a pattern matches only where the graph holds all its ops, and
+# every pattern of partition/graphs/sdpa.py holds these (tests/test_xnnpack_passes.py checks both sets)
+ALL_OF = {
+    "ConvertToSDPAPass": {"aten._softmax.default", "aten.bmm.default", "aten.logical_not.default",
+                          "aten.eq.Scalar", "aten.any.dim", "aten.where.self"},
+}
+
+
+def _acts_on(pass_, graph) -> bool:
+    """Whether ``pass_`` (a class of XNNPACK's pass list) can change ``graph``: false only for a pass
+    of TRIGGERS on a graph without any of its ops, or of ALL_OF on a graph without all of them."""
+    from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
+
+    name = pass_.__name__
+    if name not in TRIGGERS and name not in ALL_OF:
+        return True
+    present = set()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            present.add(getattr(node.target, "__name__", None))
+            if is_quant(node) or is_dequant(node):
+                present.add("q/dq")
+    if name in ALL_OF:
+        return ALL_OF[name] <= present
+    return bool(TRIGGERS[name] & present)
 
 
 class Xnnpack(Backend):
@@ -11,6 +53,34 @@ class Xnnpack(Backend):
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         return [XnnpackPartitioner()]
+
+    @contextlib.contextmanager
+    def lowering(self):
+        """XNNPACK's preprocess runs its 17 passes on every partition, each an ExportPass that
+        retraces the partition with fake tensors (the step method's symbolic sizes make that ~20 ms
+        per pass and partition of the default build); the passes of TRIGGERS are skipped on a
+        partition without the ops they act on (those of ALL_OF without the ops their patterns need),
+        where they would retrace it unchanged. The rest run as XNNPACK orders them."""
+        from executorch.backends.xnnpack import _passes, xnnpack_preprocess
+
+        full = _passes.XNNPACKPassManager
+
+        class Skipping(full):
+            def transform(self):  # XNNPACKPassManager.transform, asking before each pass
+                from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
+                from executorch.exir.program._program import _transform
+
+                ep = self.exported_program
+                for pass_ in self.passes:
+                    if _acts_on(pass_, ep.graph):
+                        ep = _transform(ep, pass_(ep) if issubclass(pass_, XNNPACKPass) else pass_())
+                return ep
+
+        xnnpack_preprocess.XNNPACKPassManager = Skipping
+        try:
+            yield
+        finally:
+            xnnpack_preprocess.XNNPACKPassManager = full
 
 
 BACKEND = Xnnpack()

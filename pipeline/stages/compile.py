@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.backends import backend as get_backend
 from pipeline.kv.manifest import constant_methods, manifest
+from pipeline.passes import edge as one_retrace_lowering
 
 
 def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
@@ -24,15 +25,20 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     if inputs.get("vision_section"):
         sections["vision"] = inputs["vision_section"]
     backend = get_backend(backend_cfg.name)
-    programs = backend.programs(lowered)
-    print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(programs)}", flush=True)
-    edge = to_edge_transform_and_lower(
-        programs, partitioner=backend.partitioners(list(programs)),
-        constant_methods=constant_methods(sections),
-        compile_config=EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check),
-    )
+    partitioners = backend.partitioners(list(lowered))
+    if not isinstance(partitioners, dict):
+        partitioners = {name: partitioners for name in lowered}
+    config = EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check)
+    print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(lowered)}", flush=True)
+    with backend.lowering():
+        if backend.one_retrace and one_retrace_lowering.one_retrace(partitioners):  # one retrace per method
+            edge = one_retrace_lowering.to_edge_transform_and_lower(backend, lowered, partitioners,
+                                                                    constant_methods(sections), config)
+        else:
+            edge = to_edge_transform_and_lower(backend.programs(lowered), partitioner=partitioners,
+                                               constant_methods=constant_methods(sections), compile_config=config)
     partitions = {}
-    for name in programs:
+    for name in lowered:
         graph = edge.exported_program(name).graph
         partitions[name] = sum(1 for n in graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target))
         print(f"  {name}: {partitions[name]} {backend.name} partition{'s' * (partitions[name] != 1)}", flush=True)

@@ -1,0 +1,107 @@
+"""ATen -> Edge and the backend's partitioners, with every decomposition in one retrace per method.
+
+ExecuTorch's ``to_edge_transform_and_lower`` retraces each method three times before the Edge passes
+(``run_decompositions({})`` to functionalize; the core ATen table less the ops the partitioner keeps;
+the whole table again, for the kept ops its ``check_op_support`` refuses), and the backend had
+retraced it once before that to inline the custom ops it has no kernel for (``Backend.programs``). A
+retrace of the default build's step method (460 nodes, three symbolic sizes) takes 4-5 s on 2 cores.
+One ``run_decompositions`` with the union of those tables does the same work: functionalization is
+part of every ``run_decompositions``, the inlined ops' bodies are decomposed by the same table as they
+are traced, and the third retrace only has work when a kept op is left that the partitioner's check
+refused (then it runs, as in ExecuTorch). The rest is ExecuTorch's own code, in its order: the kept
+ops hidden from the table by its transformed-op namespace, ``_generate_edge_program``,
+``EdgeProgramManager``, ``to_backend`` with each partitioner, the check that no kept op is left
+undelegated, the Edge dialect verifier.
+
+Measured on the default build's compile (2 cores, same machine): ExecuTorch's path 44.3 s, this one
+29.7 s; the programs differ by two ``scalar_tensor`` constants that the common-subexpression merge now
+finds (it runs after the core ATen decompositions instead of before them). Partitioners this module does not handle
+(``one_retrace``) take ExecuTorch's path.
+
+The helpers are ExecuTorch's private ones (``executorch.exir.program._program``, executorch 1.5.1
+as pinned in pyproject.toml): a version that changes them fails here, at compile, not in the artifact.
+"""
+
+
+def one_retrace(partitioners: dict) -> bool:
+    """Whether this module handles these partitioners ({method: [partitioner, ...]}): at most one per
+    method, none with a pre-decomposition transform (ExecuTorch's Arm backend has one)."""
+    from executorch.exir.backend.partitioner import Partitioner
+
+    return all(len(p) <= 1 and all(type(q).transform_for_pre_decomposition is Partitioner.transform_for_pre_decomposition
+                                   for q in p) for p in partitioners.values())
+
+
+def decomposition_table(partitioner, ep, config) -> tuple[dict, list, bool]:
+    """The core ATen table less what ``partitioner`` keeps (ExecuTorch's choice for it), the ops it
+    keeps, and whether it checks each node of those ops (``check_op_support``: ExecuTorch's
+    EDGE_DO_NOT_DECOMP path) or keeps them all."""
+    from executorch.exir.program._program import (
+        _can_skip_using_EDGE_DO_NOT_DECOMP,
+        _default_decomposition_table,
+        _remove_invalid_ops_for_not_decompose,
+    )
+
+    table = _default_decomposition_table()
+    if partitioner is None:  # decomposed by default, less the config's preserve_ops
+        for op in config.preserve_ops:
+            table.pop(op, None)
+        return table, [], False
+    ops, _ = partitioner.ops_to_not_decompose(ep)
+    if _can_skip_using_EDGE_DO_NOT_DECOMP(partitioner, ep):
+        return table, [op for op in ops if table.pop(op, None) is not None], False
+    ops = _remove_invalid_ops_for_not_decompose(ops)
+    for op in ops:
+        table.pop(op, None)
+    return table, ops, True
+
+
+def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, constant_methods: dict, config):
+    """ExecuTorch's ``to_edge_transform_and_lower(backend.programs(lowered), partitioners, ...)`` in one
+    retrace per method; ``partitioners``: {method: [at most one partitioner]}. (The name is
+    ExecuTorch's: XNNPACK's partitioner looks for it on the stack, and warns of a deprecated
+    ``to_edge() + to_backend()`` workflow without it.)"""
+    from executorch.exir.program._program import (
+        EdgeProgramManager,
+        _default_decomposition_table,
+        _generate_edge_program,
+        _remove_invalid_ops_for_not_decompose,
+        _replace_aten_ops_with_transformed_ops,
+        _restore_transformed_ops_to_aten_ops,
+        _sanity_check_graph_for_non_decomp_ops,
+    )
+    from executorch.exir.verification.verifier import EXIREdgeDialectVerifier
+
+    chosen = {name: (partitioners.get(name) or [None])[0] for name in lowered}
+    tables, kept, checked = {}, {}, {}
+    for name, ep in lowered.items():
+        tables[name], kept[name], checked[name] = decomposition_table(chosen[name], ep, config)
+    programs = backend.programs(lowered, tables)
+    edge_programs, preserved = {}, {}
+    for name, ep in programs.items():
+        preserved[name] = list(kept[name])
+        if checked[name]:
+            # the kept ops the partitioner takes, hidden from the table; any other is decomposed
+            preserved[name] = list(_replace_aten_ops_with_transformed_ops(name, ep, {name: [chosen[name]]}) or ())
+            if any(n.op == "call_function" and n.target in kept[name] for n in ep.graph.nodes):
+                ep = ep.run_decompositions(_default_decomposition_table())
+            _restore_transformed_ops_to_aten_ops(ep)
+        edge_programs[name] = _generate_edge_program(config, ep, preserve_ops=preserved[name])
+    every = list(set().union(*preserved.values()))
+    config._core_aten_ops_exception_list = list(set(config._core_aten_ops_exception_list) | set(every))
+    edge = EdgeProgramManager(edge_programs, constant_methods, config, every)
+    with_partitioner = {name: p for name, p in chosen.items() if p is not None}
+    if with_partitioner:
+        edge = edge.to_backend(with_partitioner)
+    for name in edge_programs:  # ExecuTorch's closing checks
+        program, p = edge.exported_program(name), chosen[name]
+        ops = set()
+        if p is not None:
+            ops, check = p.ops_to_not_decompose(program)
+            ops = set(_remove_invalid_ops_for_not_decompose(ops) if checked[name] else ops)
+            _sanity_check_graph_for_non_decomp_ops(name, program, ops, check, generate_error=True,
+                                                   partitioner_name=type(p).__name__)
+        if config._check_ir_validity:
+            EXIREdgeDialectVerifier(edge_compile_config=config, class_only=True,
+                                    preserve_ops=config.preserve_ops + list(ops))()(program.graph_module)
+    return edge
