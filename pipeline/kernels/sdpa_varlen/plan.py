@@ -6,12 +6,11 @@ positions: a *run* (tokens of one column with consecutive positions) is cut into
 ``TOKB`` tokens from its first, so a draft block of up to ``TOKB`` tokens is one block (one
 read of its keys) wherever its positions start.  The kernel finds each block's (at most
 two) segments through a per-column table built from ``seq_info``, trims them to the keys
-the causal and window
-bounds leave visible, and cuts each block's visible keys into ``n`` equal items, ``n`` in
-proportion to the block's share of the step's visible keys (``target_items`` in all, about
-``Tuning.target_ctas`` programs with the KV heads), none shorter than ``min_chunk`` keys
-(``min_chunk_multi`` for multi-token blocks).  It writes one self-contained record per item
-and zeroes the merge tickets.  The number of blocks is bounded from shapes by
+the causal and window bounds leave visible, and cuts each block's visible keys into ``n``
+equal items, ``n`` in proportion to the block's share of the step's visible keys
+(``target_items`` in all, about ``Tuning.target_ctas`` programs with the KV heads), none
+shorter than ``min_chunk`` keys (``min_chunk_multi`` for multi-token blocks).  It writes one
+self-contained record per item and zeroes the merge tickets.  The number of blocks is bounded from shapes by
 ``min(T, T // TOKB + 2 * min(T, columns) + 1)``; this holds when each sequence's tokens are
 contiguous in q (the contract).
 
