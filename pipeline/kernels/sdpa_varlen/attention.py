@@ -15,7 +15,8 @@ last of its items to finish merges all the partials with a log-sum-exp, in slot 
 result does not depend on which finished last), and resets the ticket for the next layer.
 With ``Tuning.merge_launch`` the split multi-token blocks (whose partials are block_m rows,
 too many for one program to merge fast) are merged instead by ``_merge_split_blocks``, a
-second launch spread over (block, KV head, row tile) programs.
+second launch spread over (block, KV head, row tile) programs (slower than the fused merge on
+the H200's draft blocks: docs/benchmarks.md; off by default).
 
 Scores, softmax and accumulation are fp32; P is cast to V's dtype for the second product (as
 in FlashAttention).  A query that sees no key gets zeros.
