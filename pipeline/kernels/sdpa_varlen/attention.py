@@ -377,7 +377,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=0, num_warps=geo.pre_warps,
                                      num_stages=max(geo.dec_stages, geo.pre_stages))
     if geo.merge_launch:
-        wrap(_merge_split_blocks)[(geo.target_items // 2 + 1, hkv, geo.block_m // geo.merge_rows)](
+        wrap(_merge_split_blocks)[(geo.n_mlist, hkv, geo.block_m // geo.merge_rows)](
             out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.mlist_off,
             G=geo.g, G_PAD=geo.g_pad, DV=dv, PM=geo.block_m, R=geo.merge_rows, SPL=geo.spl_launch, NBF_=NBF, HDR_=HDR,
             num_warps=4)

@@ -254,7 +254,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
     wrap(_plan_kernel)[(1,)](
         q_pos.contiguous(), q_cols.contiguous(), seq_info.contiguous(), plan, col_seg,
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
-        geo.rec_off - geo.mlist_off,
+        geo.n_mlist,
         geo.target_items, geo.min_chunk, geo.min_chunk_multi,
         CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=max(geo.bn_dec, geo.bn_pre), CH=_CH,
         NBF=NBF, HDR=HDR, num_warps=geo.plan_warps,

@@ -89,6 +89,7 @@ class Geometry:
     spl_launch: int  # partial slots merged per load by the merge launch
     target_items: int  # items the splits aim at (per KV head); also the most partial slots
     n_tickets: int  # one merge ticket per (partial slot, KV head)
+    n_mlist: int  # entries of the plan's split list: a split block has >= 2 of the target_items partial slots
     nb_max: object  # most blocks
     w_max: object  # most items (the attention grid)
     tickets_off: object  # offsets in the plan (plan.py: its layout)
@@ -119,7 +120,8 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
     mlist_off = tickets_off + target_items * hkv
-    rec_off = mlist_off + target_items // 2 + 1  # a split block has >= 2 of the target_items partial slots
+    n_mlist = target_items // 2 + 1
+    rec_off = mlist_off + n_mlist
     wide = elem_bytes > 2
     merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
@@ -133,6 +135,6 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
         plan_warps=tuning.plan_warps, merge_launch=tuning.merge_launch, merge_rows=merge_rows,
         spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
-        target_items=target_items, n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
+        target_items=target_items, n_tickets=target_items * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
         tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
