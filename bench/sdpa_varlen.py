@@ -1,7 +1,7 @@
 """Benchmark of the Triton ``sdpa_varlen`` kernels (plan + attention) on one CUDA GPU.
 
     PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py [--quick] [--sweep] [--profile] [--out PATH]
-                                                  [--compare OLD_MODULE.py]
+                                                  [--compare OLD_MODULE.py] [--plan-compare [OLD_PLAN.py]]
 
 Times (median over CUDA-graph replays, K/V rotated over several buffers so the working set
 is far above L2) our kernel on the column store [rows * columns, Hkv, D] and, on the same
@@ -12,7 +12,8 @@ installed torch has no ``enable_gqa``; packing not timed), FlexAttention with a 
 Imports neither executorch's exporter nor hydra.  ``--compare`` times another version of
 the kernel (a single-file module, e.g. ``git show 04d2c43:pipeline/kernels/sdpa_varlen.py >
 old.py``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
-variants of ``Tuning`` first (reported; the table uses the defaults).
+variants of ``Tuning`` first (reported; the table uses the defaults).  ``--plan-compare``
+times the plan alone (16 launches per graph and 1), beside an earlier ``plan.py`` if given.
 
 Parts: ``bench/sdpa/timing.py`` (graph timing), ``workloads.py`` (cases), ``peers.py``,
 ``report.py`` (the markdown, with the issue's goals marked met or not).
@@ -70,11 +71,46 @@ def ours_calls(w, mod=None, tuning=None):
     return fns, plan_call, plan
 
 
+PLAN_REPS = 16  # plan launches per graph for its in-graph time
+
+
 def run_ours(w, mod=None, tuning=None):
     """(µs per layer: attention along a plan computed once, µs of the plan alone).  A lowered
-    model plans once per step and layer kind; every layer of the kind reuses it."""
+    model plans once per step and layer kind; every layer of the kind reuses it.  The plan's
+    time is per launch of PLAN_REPS in one graph: what it adds to a step's graph (its kernel and
+    the gap to the next), as the attention's is over its rotations."""
     fns, plan_call, _ = ours_calls(w, mod, tuning)
-    return time_fn(fns), time_fn([plan_call])
+    return time_fn(fns), time_fn([plan_call] * PLAN_REPS)
+
+
+def load_plan(path):
+    """An earlier version's plan.py, its relative imports made absolute: its ``plan_impl``."""
+    import types
+    src = open(path).read().replace("from .tuning import", "from pipeline.kernels.sdpa_varlen.tuning import")
+    mod = types.ModuleType("sdpa_varlen_prev_plan")
+    mod.__file__ = os.path.abspath(path)
+    sys.modules[mod.__name__] = mod
+    exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def plan_times(w, tuning=None, prev_plan=None, prev_warps=8):
+    """The plan alone, side by side: ours per launch of PLAN_REPS in one graph, ours as the one
+    launch of a graph (the graph's launch included), and (prev_plan) an earlier plan kernel
+    both ways on ``prev_warps`` warps.  Each timed twice, alternating; the lower of each kept."""
+    q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(1)
+    geo = K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning)
+    calls = {"ours": lambda: K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)}
+    if prev_plan is not None:
+        geo_prev = dataclasses.replace(geo, plan_warps=prev_warps)
+        calls["prev"] = lambda: prev_plan.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo_prev)
+    best = {}
+    for _ in range(2):
+        for name, call in calls.items():
+            for reps in (PLAN_REPS, 1):
+                t = time_fn([call] * reps)
+                best[name, reps] = min(best.get((name, reps), t), t)
+    return best
 
 
 def numerics(hq, hkv, d, n_keys, n_q, B):
@@ -127,7 +163,8 @@ SWEEP = [
     ("multi-token pipeline", "pre", [dict(pre_stages=3), dict(pre_stages=4), dict(pre_stages=2)]),
     ("split target", "dec", [dict(target_ctas=528), dict(target_ctas=264), dict(target_ctas=792)]),
     ("decode pipeline", "dec", [dict(dec_stages=2), dict(dec_stages=3), dict(dec_block_n=64, dec_stages=4)]),
-    ("plan warps", "plan", [dict(plan_warps=4), dict(plan_warps=8), dict(plan_warps=1)]),
+    ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
+                            dict(plan_lanes=8)]),
 ]
 
 
@@ -149,8 +186,13 @@ def sweep(groups=None):
             line, tot = [], 0.0
             for w in cases:
                 try:
-                    us, plan_us = run_ours(w, tuning=tuning)
-                    us = plan_us if which == "plan" else us
+                    if which == "plan":  # the plan alone
+                        q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(1)
+                        geo = K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning)
+                        us = time_fn([lambda: K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)]
+                                     * PLAN_REPS)
+                    else:
+                        us = run_ours(w, tuning=tuning)[0]
                     tot += us / ref.setdefault(w.name, us)
                     line.append(f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF")
                 except Exception as e:  # noqa: BLE001  (the variant is out: reported, never chosen)
@@ -164,6 +206,29 @@ def sweep(groups=None):
         chosen = best or chosen
     log(f"fastest on the sweep cases: {chosen}; defaults: {K.Tuning()}")
     return chosen, K.Tuning(), lines
+
+
+def plan_section(prev_path=None):
+    """The plan alone on the sweep cases, ours beside an earlier plan.py (``--plan-compare``)."""
+    prev = load_plan(prev_path) if prev_path else None
+    dec_cases, pre_cases = sweep_cases()
+    head = "| case | ours µs (16 per graph) | ours µs (1 per graph) |" + (
+        " prev µs (16 per graph) | prev µs (1 per graph) | prev/ours (16) |" if prev else "")
+    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
+    for w in dec_cases + pre_cases:
+        try:
+            t = plan_times(w, prev_plan=prev)
+            cells = [t["ours", PLAN_REPS], t["ours", 1]]
+            if prev:
+                cells += [t["prev", PLAN_REPS], t["prev", 1]]
+            line = f"| {w.name} | " + " | ".join(f"{c:.1f}" for c in cells) + (
+                f" | {t['prev', PLAN_REPS] / t['ours', PLAN_REPS]:.2f}x |" if prev else " |")
+        except Exception as e:  # noqa: BLE001
+            line = f"| {w.name} | err {type(e).__name__}: {str(e)[:120]} |"
+        log("plan " + line)
+        lines.append(line)
+        torch.cuda.empty_cache()
+    return lines
 
 
 def kernel_stats(fn) -> str:
@@ -229,6 +294,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--compare", help="another version of the kernel module (a .py file), timed beside ours")
+    ap.add_argument("--plan-compare", nargs="?", const="", metavar="OLD_PLAN.py",
+                    help="the plan alone on the sweep cases (16 and 1 launches per graph), beside an earlier plan.py if given")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this many seconds")
     args = ap.parse_args()
     t_start = time.time()
@@ -248,6 +315,7 @@ def main():
 
     prev = load_module(args.compare) if args.compare else None
     profile_lines = profile() if args.profile else []
+    plan_lines = plan_section(args.plan_compare or None) if args.plan_compare is not None else []
     sweep_result = sweep(args.sweep_group) if args.sweep else None
     table_tuning = sweep_result[0] if (args.adopt and sweep_result) else K.Tuning()
     rows, skipped, num = [], [], []
@@ -256,7 +324,7 @@ def main():
         """The report so far, written after every row: a run cut short keeps what it measured."""
         text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + " ".join(sys.argv[1:]), prop=prop,
                                read_tbs=read_tbs, mm_tf=mm_tf, rows=rows, num=num, compare=args.compare,
-                               sweep=sweep_result, table_tuning=table_tuning, profile=profile_lines, skipped=skipped,
+                               sweep=sweep_result, table_tuning=table_tuning, profile=profile_lines, plan=plan_lines, skipped=skipped,
                                budget_s=args.budget_s, wall_s=time.time() - t_start, final=final)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

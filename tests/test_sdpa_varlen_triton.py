@@ -289,12 +289,12 @@ def test_blocks_cut_from_each_run_start():
 @needs_kernels
 def test_fuzz():
     g = torch.Generator().manual_seed(123)
-    for trial in range(4):
-        columns, rows = 4, 40
+    for trial in range(6):
+        columns, rows = (4, 40) if trial < 4 else (24, 40)  # trials 4, 5: 18 sequences, more blocks and items
         hkv = [1, 2][trial % 2]
         hq = hkv * [1, 2, 4][trial % 3]
         seqs = []
-        cols = torch.randperm(columns, generator=g).tolist()[: 3]
+        cols = torch.randperm(columns, generator=g).tolist()[: 3 if trial < 4 else 18]
         for col in cols:
             n = int(torch.randint(0, rows + 1, (1,), generator=g))
             n_q = int(torch.randint(1, 9, (1,), generator=g))
@@ -304,8 +304,10 @@ def test_fuzz():
         args = make_step(seqs, columns=columns, rows=rows, hq=hq, hkv=hkv, d=16, seed=trial)
         causal = bool(trial % 2)
         window = [0, 9][trial // 2 % 2]
+        # trials 0, 3, 4, 5: the plan's passes 16 lanes at a time (several per pass, carries across them)
         check(args, columns, causal, window,
-              tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4))
+              tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
+                                         plan_width=16 if trial in (0, 3, 4, 5) else 1024))
 
 
 @needs_kernels

@@ -54,7 +54,7 @@ def goals(rows) -> list[str]:
 
 
 def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, table_tuning, profile, skipped, budget_s, wall_s,
-             final: bool = True) -> str:
+             plan=(), final: bool = True) -> str:
     md = ["# sdpa_varlen (Triton) on GPU", "",
           f"- command: `{cmd}`", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
           f"- GPU: {prop.name} ({prop.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}",
@@ -66,7 +66,8 @@ def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, table_tun
           "- ours: K/V in the column store [rows·columns, Hkv, D], seq_info describing the runs. 'ours µs' is "
           "one layer's attention (one launch; split blocks merged in it) along a plan computed beforehand: a lowered "
           "model plans once per step and layer kind (`kvcache::sdpa_varlen_plan`) and every layer of that kind reuses "
-          "it; 'plan µs' is that plan alone (one launch), to be spread over the layers of a kind",
+          "it; 'plan µs' is that plan alone, per launch of 16 in one graph (what it adds to a step's graph: its kernel "
+          "and the gap to the next), to be spread over the layers of a kind",
           "- sdpa: F.scaled_dot_product_attention on padded contiguous [B,H,L,D] (enable_gqa; key-padding mask "
           "for skewed lengths; prefill with history: KV heads repeated + causal_lower_right)",
           "- varlen: torch.nn.attention.varlen.varlen_attn on packed contiguous K/V "
@@ -106,6 +107,9 @@ def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, table_tun
         md += ["", "## Tuning sweep (our kernel; the table above names the Tuning it was timed with)", "",
                f"fastest on the sweep cases: `{chosen}`", "", f"defaults: `{default}`", "",
                "| group, variant | sum of time ratios to the group's first | cases |", "|---|---:|---|"] + report
+    if plan:
+        md += ["", "## The plan alone (per launch: 16 launches in one graph, and the only launch of a graph, "
+               "whose figure holds the graph's launch; each the lower of two medians, timed alternately)", ""] + list(plan)
     if profile:
         md += ["", "## Profile (our kernel, per launch, median µs under torch.profiler; compiled kernel's registers, "
                "spills, shared memory)", ""] + [f"- {x}" for x in profile]

@@ -55,7 +55,6 @@ F_PSLOT0 = tl.constexpr(12)  # first partial slot (-1: one item, no partials); i
 F_CHUNK = tl.constexpr(13)  # keys per item (a multiple of the key tile)
 F_KSTART = tl.constexpr(14)  # item only: its keys [KSTART, KEND) of the block's key index
 F_KEND = tl.constexpr(15)
-_CH = 1024  # vector width of the plan kernel's passes
 
 
 @triton.jit
@@ -77,9 +76,9 @@ def _trim_segment(seq_info, s, lo, hi_):
     """Segment s (-1: none) trimmed to the positions [lo, hi_]: its first row, the rows
     skipped, the rows kept and its first position."""
     has = s >= 0
-    first_row = tl.load(seq_info + s * 4 + 1, mask=has, other=0)
-    count = tl.load(seq_info + s * 4 + 2, mask=has, other=0)
-    first_pos = tl.load(seq_info + s * 4 + 3, mask=has, other=0)
+    first_row = tl.load(seq_info + s * 4 + 1, mask=has, other=0).to(tl.int32)
+    count = tl.load(seq_info + s * 4 + 2, mask=has, other=0).to(tl.int32)
+    first_pos = tl.load(seq_info + s * 4 + 3, mask=has, other=0).to(tl.int32)
     skip = tl.minimum(tl.maximum(lo - first_pos, 0), count)
     end = tl.minimum(tl.maximum(hi_ - first_pos + 1, 0), count)
     return first_row, skip, tl.where(has, tl.maximum(end - skip, 0), 0), first_pos
@@ -147,20 +146,20 @@ def _plan_kernel(
     tl.debug_barrier()
     # P3: per block: tokens, visible key ranges of its segments, visible keys of the step.
     total = tl.full([], 0, tl.int64)
-    for base in range(0, nb, CH):
+    for base in range(0, nb, CH):  # int32 lanes: positions and rows are int32 (seq_info's are below 2**30)
         b = base + offs
         bv = b < nb
         bp = blk + b * NBF
         tok0 = tl.load(bp + F_TOK0, mask=bv, other=0, volatile=True)
         nxt = tl.load(bp + NBF + F_TOK0, mask=bv & (b + 1 < nb), other=0, volatile=True)
         ntok = tl.where(b + 1 < nb, nxt, T) - tok0
-        col = tl.load(bp + F_COL, mask=bv, other=0, volatile=True).to(tl.int64)
-        pmin = tl.load(bp + F_QPOS, mask=bv, other=0, volatile=True).to(tl.int64)
+        col = tl.load(bp + F_COL, mask=bv, other=0, volatile=True)
+        pmin = tl.load(bp + F_QPOS, mask=bv, other=0, volatile=True)
         pmax = pmin + ntok - 1
         colok = bv & (col >= 0) & (col < columns)
         s0 = tl.load(col_seg + col * 2, mask=colok, other=-1, volatile=True)
         s1 = tl.load(col_seg + col * 2 + 1, mask=colok, other=-1, volatile=True)
-        big = 1 << 60
+        big = 1 << 30
         if HAS_WINDOW:
             lo = pmin - window + 1
         else:
@@ -218,6 +217,7 @@ def _plan_kernel(
     tl.debug_barrier()
     # P5: block of each item = (number of block starts <= item) - 1; one self-contained
     # record per item (its block's fields and its key range), one level of loads.
+    fld = tl.arange(0, NBF)
     run = tl.full([], 0, tl.int32)
     for base in range(0, n_items, CH):
         w = base + offs
@@ -226,14 +226,15 @@ def _plan_kernel(
         b = run + tl.cumsum(mk, 0) - 1
         run += tl.sum(mk, 0)
         bp = blk + b * NBF
-        rp = recs + w * NBF
-        for f in tl.static_range(0, F_KSTART):
-            tl.store(rp + f, tl.load(bp + f, mask=wv, other=0, volatile=True), mask=wv)
+        # the block's fields in one [CH, NBF] load (the item's own two left 0), then its key range
+        rec = tl.load(bp[:, None] + fld[None, :], mask=wv[:, None] & (fld[None, :] < F_KSTART), other=0,
+                      volatile=True)
         work = tl.load(bp + F_N0, mask=wv, other=0, volatile=True) + tl.load(bp + F_N1, mask=wv, other=0, volatile=True)
         chunk = tl.load(bp + F_CHUNK, mask=wv, other=0, volatile=True)
         kstart = (w - tl.load(bp + F_ITEM0, mask=wv, other=0, volatile=True)) * chunk
-        tl.store(rp + F_KSTART, kstart, mask=wv)
-        tl.store(rp + F_KEND, tl.minimum(kstart + chunk, work), mask=wv)
+        kend = tl.minimum(kstart + chunk, work)
+        rec = tl.where(fld[None, :] == F_KSTART, kstart[:, None], tl.where(fld[None, :] == F_KEND, kend[:, None], rec))
+        tl.store(recs + w[:, None] * NBF + fld[None, :], rec, mask=wv[:, None])
     tl.store(plan + H_BLOCKS, nb)
     tl.store(plan + H_ITEMS, n_items)
     tl.store(plan + H_SPLIT_BLOCKS, n_split)
@@ -256,7 +257,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
         geo.n_mlist,
         geo.target_items, geo.min_chunk, geo.min_chunk_multi,
-        CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=max(geo.bn_dec, geo.bn_pre), CH=_CH,
+        CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=max(geo.bn_dec, geo.bn_pre), CH=geo.plan_width,
         NBF=NBF, HDR=HDR, num_warps=geo.plan_warps,
     )
     return plan

@@ -33,17 +33,20 @@ class Tuning:
     merge_launch: bool = False  # True: split multi-token blocks are merged by a launch of their own (programs per
     # block, KV head and tile of merge_rows rows) instead of by their last item; decode blocks always merge fused
     merge_rows: int = 16  # rows (tokens x query heads) of one program of that merge launch
-    plan_warps: int = 8  # warps of the plan kernel (one program)
+    plan_warps: int = 8  # most warps of the plan kernel (one program)
+    plan_width: int = 1024  # most lanes of the plan kernel's vectors (its passes go this many at a time)
+    plan_lanes: int = 4  # lanes per thread the plan aims at: its warps are width // (32 * plan_lanes), 1 .. plan_warps
 
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
             raise ValueError(f"Tuning.merge_group={self.merge_group}: 0 (one level) or >= 2 is allowed")
-        for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("merge_rows", 2)):
+        for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("merge_rows", 2),
+                            ("plan_width", 16)):
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
         for name in ("dec_stages", "pre_stages", "dec_warps", "pre_warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile",
-                     "plan_warps"):
+                     "plan_warps", "plan_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
 
@@ -83,6 +86,7 @@ class Geometry:
     min_chunk_multi: int
     spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
     spl_pre: int
+    plan_width: int  # lanes of the plan kernel's vectors (a power of two)
     plan_warps: int
     merge_launch: bool
     merge_rows: int  # rows of a program of the merge launch (<= block_m)
@@ -96,6 +100,29 @@ class Geometry:
     mlist_off: object
     rec_off: object
     plan_len: object
+
+
+def _upper(x) -> int | None:
+    """x, or for a SymInt its static upper bound (``torch.export.Dim(max=...)``; None: unbounded)."""
+    if isinstance(x, int):
+        return x
+    try:
+        node = x.node
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        return int(upper) if upper.is_finite else None
+    except Exception:  # no shape env to ask (a plain SymInt): no bound known
+        return None
+
+
+def _plan_width(n_tok, columns: int, target_items: int, tuning: Tuning) -> int:
+    """Lanes of the plan's vectors: the step's largest extent (tokens, columns, items aimed
+    at) rounded up to a power of two, 64 .. ``tuning.plan_width`` (the most when the tokens are
+    unbounded); a pass over more than that goes in several."""
+    tok = _upper(n_tok)
+    cols = _upper(columns)
+    if tok is None or cols is None:
+        return tuning.plan_width
+    return min(tuning.plan_width, max(64, next_pow2(max(tok, cols, target_items))))
 
 
 def _splits_per_load(rows: int, dv: int, merge_tile: int) -> int:
@@ -123,6 +150,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     n_mlist = target_items // 2 + 1
     rec_off = mlist_off + n_mlist
     wide = elem_bytes > 2
+    plan_width = _plan_width(n_tok, columns, target_items, tuning)
     merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
         g=g, g_pad=g_pad, block_m=block_m, tokb=tokb, m_dec=max(16, g_pad),
@@ -133,7 +161,8 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         merge_group=tuning.merge_group,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
-        plan_warps=tuning.plan_warps, merge_launch=tuning.merge_launch, merge_rows=merge_rows,
+        plan_width=plan_width, plan_warps=max(1, min(tuning.plan_warps, plan_width // (32 * tuning.plan_lanes))),
+        merge_launch=tuning.merge_launch, merge_rows=merge_rows,
         spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
         target_items=target_items, n_tickets=target_items * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
         tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
