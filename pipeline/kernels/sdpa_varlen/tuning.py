@@ -35,7 +35,7 @@ class Tuning:
     merge_rows: int = 16  # rows (tokens x query heads) of one program of that merge launch
     plan_warps: int = 8  # most warps of the plan kernel (one program)
     plan_width: int = 1024  # most lanes of the plan kernel's vectors (its passes go this many at a time)
-    plan_lanes: int = 4  # lanes per thread the plan aims at: its warps are width // (32 * plan_lanes), 1 .. plan_warps
+    plan_lanes: int = 1  # lanes per thread the plan aims at: its warps are width // (32 * plan_lanes), 1 .. plan_warps
 
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
