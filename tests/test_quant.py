@@ -117,6 +117,37 @@ def test_one_quantized_linear_matches_torchao(scheme, bound):
 # --- quant=from_checkpoint: a GGUF's blocks -------------------------------------------------------
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "from_checkpoint"])
+def test_oracle_with_dequantized_weights_is_the_same_model(tmp_path, scheme):
+    """validate's quantized oracle (``with_dequantized_weights``: weights and embedding tables
+    dequantized once) computes the quantized eager model's logits bit for bit, prompt and decodes:
+    torchao's linears (8- and 4-bit, the head among them), the quantized embedding, GGUF Q4_1 offsets."""
+    from pipeline.quant.oracle import DequantizedEmbedding, DequantizedLinear, with_dequantized_weights
+
+    if scheme == "from_checkpoint":
+        cfg, _ = _gguf_config(tmp_path, "Q4_1", "Q8_0")
+    else:
+        cfg = compose_config(*QUANT_MODEL, f"quant={scheme}", "quant.embedding=true")
+    model, _ = build_target(cfg.model, None)
+    quantize(model, cfg.quant, cfg.model)
+    fast = with_dequantized_weights(model)
+    kinds = {type(m) for m in fast.modules()}
+    assert DequantizedLinear in kinds and DequantizedEmbedding in kinds
+    assert not any(isinstance(m, (DequantizedLinear, DequantizedEmbedding)) for m in model.modules())  # a copy
+    prompt = torch.randint(0, cfg.model.vocab_size, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits = []
+    for m in (model, fast):
+        cache, out = ReferenceCache(m.args.layer_kv(), causal=True), []
+        with reference_cache(cache), torch.no_grad():
+            toks, start = prompt, 0
+            for _ in range(4):
+                out.append(m.logits(m.hidden(m.embed(torch.tensor(toks)), torch.arange(start, start + len(toks)))))
+                start += len(toks)
+                toks = [int(out[-1][-1].argmax())]
+        logits.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*logits, strict=True))
+
+
 def _gguf_config(tmp_path, qtype: str, embedding: str | None = None):
     args = model_args(compose_config(*QUANT_MODEL).model)
     path = tmp_path / f"tiny-{qtype}.gguf"

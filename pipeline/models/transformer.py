@@ -157,8 +157,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         # hidden: [R, dim] -> [R, vocab]
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = _f32(F.linear(hidden, weight))
+        # the head as a module call: a quantized head's module decides how it computes (pipeline/quant)
+        logits = _f32(F.linear(hidden, self.tok_embeddings.weight) if self.output is None else self.output(hidden))
         a = self.args
         if a.logit_soft_cap > 0:
             return torch.tanh(logits * a.logit_multiplier / a.logit_soft_cap) * a.logit_soft_cap

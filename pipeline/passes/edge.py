@@ -1,4 +1,5 @@
-"""ATen -> Edge and the backend's partitioners, with every decomposition in one retrace per method.
+"""ATen -> Edge and the backend's partitioners, with every decomposition in one retrace per method
+(and each method's code regenerated once after partitioning, not once per partition).
 
 ExecuTorch's ``to_edge_transform_and_lower`` retraces each method three times before the Edge passes
 (``run_decompositions({})`` to functionalize; the core ATen table less the ops the partitioner keeps;
@@ -18,9 +19,51 @@ Measured on the default build's compile (2 cores, same machine): ExecuTorch's pa
 finds (it runs after the core ATen decompositions instead of before them). Partitioners this module does not handle
 (``one_retrace``) take ExecuTorch's path.
 
+``code_regenerated_once`` defers the code regeneration of ExecuTorch's per-partition graph sort.
 The helpers are ExecuTorch's private ones (``executorch.exir.program._program``, executorch 1.5.1
 as pinned in pyproject.toml): a version that changes them fails here, at compile, not in the artifact.
 """
+
+import contextlib
+
+
+@contextlib.contextmanager
+def code_regenerated_once():
+    """ExecuTorch's ``to_backend`` fuses each partition into a submodule and then topologically sorts
+    the whole owning graph again (``legalize_graph``), which assigns the sorted graph to the module,
+    and that regenerates the module's Python code: the whole method's code once per partition (about
+    a quarter of the SmolLM2 int4 compile, 242 partitions). Here every sort runs as ExecuTorch runs it
+    (the same graphs, in the same order); only the code of the modules sorted is regenerated once,
+    after the last partition of the call, before anything runs them."""
+    from executorch.exir import lowered_backend_module
+    from executorch.exir.backend import backend_api
+
+    legalize, create = lowered_backend_module.legalize_graph, backend_api._create_partitions_in_graph_module
+    stale = {}
+
+    def legalize_code_later(gm):
+        gm.recompile = lambda: None  # the GraphModule.graph setter's call
+        try:
+            return legalize(gm)
+        finally:
+            del gm.recompile
+            stale[id(gm)] = gm
+
+    def create_then_regenerate(*args, **kwargs):
+        try:
+            return create(*args, **kwargs)
+        finally:
+            for gm in stale.values():
+                gm.recompile()
+            stale.clear()
+
+    lowered_backend_module.legalize_graph = legalize_code_later
+    backend_api._create_partitions_in_graph_module = create_then_regenerate
+    try:
+        yield
+    finally:
+        lowered_backend_module.legalize_graph = legalize
+        backend_api._create_partitions_in_graph_module = create
 
 
 def one_retrace(partitioners: dict) -> bool:
@@ -92,7 +135,8 @@ def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, cons
     edge = EdgeProgramManager(edge_programs, constant_methods, config, every)
     with_partitioner = {name: p for name, p in chosen.items() if p is not None}
     if with_partitioner:
-        edge = edge.to_backend(with_partitioner)
+        with code_regenerated_once():
+            edge = edge.to_backend(with_partitioner)
     for name in edge_programs:  # ExecuTorch's closing checks
         program, p = edge.exported_program(name), chosen[name]
         ops = set()

@@ -290,9 +290,11 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
     quantized = quant_cfg.scheme != "none"
     unquantized = None
     if quantized:  # the scheme's cost is measured against the model before quantization
+        from pipeline.quant.oracle import with_dequantized_weights
         from pipeline.stages.export import build_target
 
         unquantized = build_target(model_cfg, None)[0].float()
+        model = with_dequantized_weights(model)  # the same logits bit for bit, its weights dequantized once
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
