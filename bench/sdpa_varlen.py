@@ -38,16 +38,21 @@ from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.sdpa_varlen import attention as K_attention  # noqa: E402
 
 
-def load_module(path):
-    """Another version of the kernel module (one file), its ops registered under
-    ``kvcache_prev::`` (the names of ours are taken)."""
+def _load_source(path, name, old, new):
+    """The Python file ``path`` as module ``name``, ``old`` replaced by ``new`` in its source."""
     import types
-    src = open(path).read().replace('"kvcache::', '"kvcache_prev::')
-    mod = types.ModuleType("sdpa_varlen_prev")
+    src = open(path).read().replace(old, new)
+    mod = types.ModuleType(name)
     mod.__file__ = os.path.abspath(path)
     sys.modules[mod.__name__] = mod  # triton's jit looks its functions' globals up through the module
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)
     return mod
+
+
+def load_module(path):
+    """Another version of the kernel module (one file), its ops registered under
+    ``kvcache_prev::`` (the names of ours are taken)."""
+    return _load_source(path, "sdpa_varlen_prev", '"kvcache::', '"kvcache_prev::')
 
 
 def ours_calls(w, mod=None, tuning=None):
@@ -84,26 +89,26 @@ def run_ours(w, mod=None, tuning=None):
 
 
 def load_plan(path):
-    """An earlier version's plan.py, its relative imports made absolute: its ``plan_impl``."""
-    import types
-    src = open(path).read().replace("from .tuning import", "from pipeline.kernels.sdpa_varlen.tuning import")
-    mod = types.ModuleType("sdpa_varlen_prev_plan")
-    mod.__file__ = os.path.abspath(path)
-    sys.modules[mod.__name__] = mod
-    exec(compile(src, mod.__file__, "exec"), mod.__dict__)
-    return mod
+    """An earlier version's plan.py, its relative import made absolute: its ``plan_impl``."""
+    return _load_source(path, "sdpa_varlen_prev_plan", "from .tuning import", "from pipeline.kernels.sdpa_varlen.tuning import")
+
+
+def plan_only(w, tuning=None, plan_impl=None, **geo_changes):
+    """The plan call alone on w's inputs (``plan_impl``: an earlier version's; ``geo_changes``:
+    fields of the geometry replaced for it)."""
+    q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(1)
+    geo = dataclasses.replace(K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning), **geo_changes)
+    plan_impl = plan_impl or K.plan_impl
+    return lambda: plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
 
 
 def plan_times(w, tuning=None, prev_plan=None, prev_warps=8):
     """The plan alone, side by side: ours per launch of PLAN_REPS in one graph, ours as the one
     launch of a graph (the graph's launch included), and (prev_plan) an earlier plan kernel
     both ways on ``prev_warps`` warps.  Each timed twice, alternating; the lower of each kept."""
-    q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(1)
-    geo = K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning)
-    calls = {"ours": lambda: K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)}
+    calls = {"ours": plan_only(w, tuning)}
     if prev_plan is not None:
-        geo_prev = dataclasses.replace(geo, plan_warps=prev_warps)
-        calls["prev"] = lambda: prev_plan.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo_prev)
+        calls["prev"] = plan_only(w, tuning, prev_plan.plan_impl, plan_warps=prev_warps)
     best = {}
     for _ in range(2):
         for name, call in calls.items():
@@ -187,10 +192,7 @@ def sweep(groups=None):
             for w in cases:
                 try:
                     if which == "plan":  # the plan alone
-                        q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(1)
-                        geo = K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning)
-                        us = time_fn([lambda: K.plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)]
-                                     * PLAN_REPS)
+                        us = time_fn([plan_only(w, tuning)] * PLAN_REPS)
                     else:
                         us = run_ours(w, tuning=tuning)[0]
                     tot += us / ref.setdefault(w.name, us)
