@@ -167,7 +167,9 @@ SWEEP = [
                                   dict(merge_launch=True, min_chunk_multi=512)]),
     ("multi-token pipeline", "pre", [dict(pre_stages=3), dict(pre_stages=4), dict(pre_stages=2)]),
     ("split target", "dec", [dict(target_ctas=528), dict(target_ctas=264), dict(target_ctas=792)]),
-    ("decode pipeline", "dec", [dict(dec_stages=2), dict(dec_stages=3), dict(dec_block_n=64, dec_stages=4)]),
+    ("decode pipeline", "dec", [dict(dec_stages=3), dict(dec_stages=4), dict(dec_stages=2)]),
+    ("long blocks", "pre", [dict(long_block_m=128), dict(long_block_m=0), dict(long_block_m=128, long_stages=4),
+                            dict(long_block_m=128, long_block_n=128, long_stages=2)]),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)]),
 ]

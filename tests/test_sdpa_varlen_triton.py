@@ -35,7 +35,7 @@ from pipeline.kernels.sdpa_varlen import tuning as KT  # noqa: E402
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if NATIVE else "cpu"
 # small splits so that tests exercise the split + merge path
-SMALL = dict(tuning=K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16))
+SMALL = dict(tuning=K.Tuning(dec_block_n=16, pre_block_n=16, long_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16))
 
 # In the interpreter the kernels run in a fresh process of their own: other test modules'
 # use of Inductor (AOTInductor, torch.compile) in the same process breaks the interpreter's
@@ -261,19 +261,23 @@ def test_two_launches_match_one():
 
 
 @needs_kernels
-def test_blocks_cut_from_each_run_start():
+@pytest.mark.parametrize("long_m", [0, 32])
+def test_blocks_cut_from_each_run_start(long_m):
     """A run of query tokens is cut into blocks of TOKB tokens from its first token, wherever
     its positions start: a draft block of TOKB tokens at an unaligned position is one block
-    (its keys read once), a run of 2 TOKB + 3 is three."""
-    tuning = K.Tuning(pre_block_m=16, dec_block_n=16, pre_block_n=16)  # G_PAD 2: TOKB 8
+    (its keys read once), a run of 2 TOKB + 3 is three.  With long blocks (long_m = 32 rows:
+    TOKB 16) the same runs give blocks of 8 (the short path), 16 (the long path's launch) and 3."""
+    tuning = K.Tuning(pre_block_m=16, dec_block_n=16, pre_block_n=16, long_block_m=long_m, long_block_n=16)
+    tokb = 16 if long_m else 8  # G_PAD 2
     seqs = [dict(col=0, n_keys=40, start_row=0, first_pos=0, n_q=8, q_first=13),  # 13..20 crosses 16
             dict(col=1, n_keys=50, start_row=5, first_pos=0, n_q=19)]  # 31..49
     args = make_step(seqs, columns=2, rows=64, hq=4, hkv=2, d=16, seed=11)
-    assert K.geometry_of(args[0], args[1], args[2], 2, tuning).tokb == 8
+    geo = K.geometry_of(args[0], args[1], args[2], 2, tuning)
+    assert (geo.tokb_short, geo.tokb, geo.long_launch) == (8, tokb, bool(long_m))
     _, plan = K.sdpa_varlen_triton_impl(*args, 2, 0.25, True, 0, return_plan=True, tuning=tuning)
     plan = plan.cpu()
     ntok = [int(plan[K.HDR + b * K.NBF + int(K.F_NTOK)]) for b in range(int(plan[int(K.H_BLOCKS)]))]
-    assert ntok == [8, 8, 8, 3], ntok
+    assert ntok == ([8, 16, 3] if long_m else [8, 8, 8, 3]), ntok
     check(args, 2, True, 0, tuning=tuning)
     check(args, 2, False, 5, tuning=tuning)
     # a run of 1100 tokens after one decode token: the plan's passes go 1024 tokens at a time,
@@ -283,7 +287,17 @@ def test_blocks_cut_from_each_run_start():
     geo = K.geometry_of(args[0], args[1], args[2], 2, tuning)
     plan = K.plan_impl(args[3], args[4], args[5], 2, True, 0, geo).cpu()
     tok0 = [int(plan[K.HDR + b * K.NBF]) for b in range(int(plan[int(K.H_BLOCKS)]))]
-    assert tok0 == [0] + list(range(1, 1101, 8)), tok0[120:]
+    assert tok0 == [0] + list(range(1, 1101, tokb)), tok0[120:]
+
+
+@needs_kernels
+def test_long_blocks_launch_skipped_by_the_token_bound():
+    """The long blocks' launch is made only where the step may hold more than TOKB_SHORT tokens."""
+    t = K.Tuning(pre_block_m=16, long_block_m=32)
+    assert not K.geometry(8, 4, 4, 2, 16, 16, 4, t).long_launch  # 8 tokens: no long block possible
+    assert K.geometry(9, 4, 4, 2, 16, 16, 4, t).long_launch
+    assert not K.geometry(64, 4, 4, 2, 16, 16, 4, dataclasses.replace(t, long_block_m=0)).long_launch
+    assert not K.geometry(64, 4, 4, 2, 128, 128, 4, t).long_launch  # fp32 at D 128: no long blocks
 
 
 @needs_kernels
@@ -297,17 +311,21 @@ def test_fuzz():
         cols = torch.randperm(columns, generator=g).tolist()[: 3 if trial < 4 else 18]
         for col in cols:
             n = int(torch.randint(0, rows + 1, (1,), generator=g))
-            n_q = int(torch.randint(1, 9, (1,), generator=g))
+            n_q = int(torch.randint(1, 9 if trial < 4 else 21, (1,), generator=g))
             seqs.append(dict(col=col, n_keys=n, start_row=int(torch.randint(0, rows, (1,), generator=g)),
                              first_pos=int(torch.randint(0, 50, (1,), generator=g)), n_q=n_q,
                              q_first=int(torch.randint(0, 100, (1,), generator=g))))
         args = make_step(seqs, columns=columns, rows=rows, hq=hq, hkv=hkv, d=16, seed=trial)
         causal = bool(trial % 2)
         window = [0, 9][trial // 2 % 2]
-        # trials 0, 3, 4, 5: the plan's passes 16 lanes at a time (several per pass, carries across them)
+        # trials 0, 3, 4, 5: the plan's passes 16 lanes at a time (several per pass, carries across them);
+        # trials 1, 2, 4, 5: 16-row short tiles and 32-row long ones (TOKB 4 / 8 at G_PAD 4, 8 / 16 at 2),
+        # so blocks go down all three paths
+        small_tiles = trial in (1, 2, 4, 5)
         check(args, columns, causal, window,
               tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
-                                         plan_width=16 if trial in (0, 3, 4, 5) else 1024))
+                                         plan_width=16 if trial in (0, 3, 4, 5) else 1024,
+                                         pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128))
 
 
 @needs_kernels

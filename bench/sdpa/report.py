@@ -64,7 +64,9 @@ def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, table_tun
           "not an eager timing); K/V rotated over several buffers (≥ 150 MB per replay) so reads come from HBM, not L2",
           "- TB/s = (bytes of K/V actually read + Q + O) / our time; TFLOP/s = 4·D·Hq·(visible query-key pairs) / our time",
           "- ours: K/V in the column store [rows·columns, Hkv, D], seq_info describing the runs. 'ours µs' is "
-          "one layer's attention (one launch; split blocks merged in it) along a plan computed beforehand: a lowered "
+          "one layer's attention (one launch, two where the step holds blocks of more tokens than a short tile's: "
+          "the long blocks' launch, skipped where the case's token count rules them out; split blocks merged in it) "
+          "along a plan computed beforehand: a lowered "
           "model plans once per step and layer kind (`kvcache::sdpa_varlen_plan`) and every layer of that kind reuses "
           "it; 'plan µs' is that plan alone, per launch of 16 in one graph (what it adds to a step's graph: its kernel "
           "and the gap to the next), to be spread over the layers of a kind",

@@ -3,8 +3,12 @@ only; programs past the plan's item count exit) processes one item for one KV he
 
 Its query tile holds the block's tokens x the G = Hq/Hkv query heads that share the KV head
 (rows = token * G_PAD + head), so K/V are read once per KV head for all of them.  Blocks of
-one token (decode) use a small [max(16, G_PAD), D] tile; longer blocks (prefill chunks, draft
-blocks) a [block_m, D] tile.  The item's key tiles run in up to three loops: tiles that every
+one token (decode) use a small [max(16, G_PAD), D] tile; multi-token blocks of up to
+``tokb_short`` tokens (draft blocks, short chunks) a [block_m, D] tile; longer ones (prefill
+chunks, cut at ``tokb`` tokens by the plan) a [block_m_long, D] tile in a launch of their own on
+``Tuning.long_warps`` warps (a 128-row tile needs 8 warps, which would slow the decode path
+compiled into the same launch).  That launch is made only when the step's token count may
+exceed ``tokb_short`` (a static bound from the shapes).  The item's key tiles run in up to three loops: tiles that every
 row sees entirely run without a mask; only those at the window's edge (the first ones), at
 the causal diagonal or past the item's end (the last ones) evaluate it.  When the block's two
 segments are not one run of positions, every tile is masked.
@@ -296,12 +300,16 @@ def _sdpa_varlen_fwd(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
     columns, scale_log2, window, TICKETS_OFF, REC_OFF,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr,
-    DEC_STAGES: tl.constexpr, PRE_STAGES: tl.constexpr, SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_M_LONG: tl.constexpr, TOKB_SHORT: tl.constexpr, PART_ROWS: tl.constexpr,
+    M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr, BN_LONG: tl.constexpr,
+    DEC_STAGES: tl.constexpr, PRE_STAGES: tl.constexpr, LONG_STAGES: tl.constexpr,
+    SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr, SPL_LONG: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    NBF_: tl.constexpr, MODE: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MULTI_MERGE: tl.constexpr,
+    NBF_: tl.constexpr, PATHS: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MULTI_MERGE: tl.constexpr,
 ):
-    """MODE 0: every item; 1: decode items only; 2: multi-token items only (two launches)."""
+    """The items of the paths in PATHS (a bit mask): 1 decode blocks (one token), 2
+    multi-token blocks of at most TOKB_SHORT tokens (BLOCK_M-row tiles), 4 long blocks (more
+    tokens, BLOCK_M_LONG-row tiles); the launches of one call cover the three between them."""
     p = tl.program_id(0)
     h = tl.program_id(1)
     # all loads independent of each other: the item record (p < W_MAX is in bounds)
@@ -325,20 +333,28 @@ def _sdpa_varlen_fwd(
     tickets = plan + TICKETS_OFF
     if p < n_items:
         if ntok == 1:
-            if MODE != 2:
+            if PATHS & 1:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
                         stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
-                        M_DEC, G, G_PAD, D, DV, BN_DEC, BLOCK_M, DEC_STAGES, False, SPL_DEC, G_PAD,
+                        M_DEC, G, G_PAD, D, DV, BN_DEC, PART_ROWS, DEC_STAGES, False, SPL_DEC, G_PAD,
                         CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True)
-        else:
-            if MODE != 1:
+        elif ntok <= TOKB_SHORT:
+            if PATHS & 2:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
                         stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
-                        BLOCK_M, G, G_PAD, D, DV, BN_PRE, BLOCK_M, PRE_STAGES, True, SPL_PRE, BLOCK_M,
+                        BLOCK_M, G, G_PAD, D, DV, BN_PRE, PART_ROWS, PRE_STAGES, True, SPL_PRE, BLOCK_M,
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE)
+        else:
+            if PATHS & 4:
+                _attend(q, k, v, out, part_o, part_ml, tickets,
+                        stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+                        h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                        pslot0, split, scale_log2, window,
+                        BLOCK_M_LONG, G, G_PAD, D, DV, BN_LONG, PART_ROWS, LONG_STAGES, True, SPL_LONG, BLOCK_M_LONG,
                         CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE)
 
 
@@ -358,27 +374,32 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
     v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
     out = q.new_empty(n_tok, hq, dv)
-    part_o = torch.empty(geo.target_items * hkv * geo.block_m * dv, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(geo.target_items * hkv * geo.block_m * 2, dtype=torch.float32, device=q.device)
+    part_o = torch.empty(geo.target_items * hkv * geo.part_rows * dv, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(geo.target_items * hkv * geo.part_rows * 2, dtype=torch.float32, device=q.device)
     args = (q, k_store, v_store, out, plan, part_o, part_ml,
             q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
             v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
             columns, scale * _LOG2E, window, geo.tickets_off, geo.rec_off)
-    consts = dict(G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, M_DEC=geo.m_dec,
-                  BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, DEC_STAGES=geo.dec_stages, PRE_STAGES=geo.pre_stages,
-                  SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, CAUSAL=causal, HAS_WINDOW=window > 0,
+    consts = dict(G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, BLOCK_M_LONG=geo.block_m_long,
+                  TOKB_SHORT=geo.tokb_short, PART_ROWS=geo.part_rows, M_DEC=geo.m_dec,
+                  BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, BN_LONG=geo.bn_long, DEC_STAGES=geo.dec_stages,
+                  PRE_STAGES=geo.pre_stages, LONG_STAGES=geo.long_stages,
+                  SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, SPL_LONG=geo.spl_long, CAUSAL=causal, HAS_WINDOW=window > 0,
                   IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
                   MERGE_GROUP=geo.merge_group or _ONE_LEVEL, FUSED_MULTI_MERGE=not geo.merge_launch)
     grid = (geo.w_max, hkv)
+    # (paths, warps, stages) of each launch; every launch reads the whole plan and skips the other paths' items
     if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits
-        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=1, num_warps=geo.dec_warps, num_stages=geo.dec_stages)
-        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=2, num_warps=geo.pre_warps, num_stages=geo.pre_stages)
+        launches = [(1, geo.dec_warps, geo.dec_stages), (2, geo.pre_warps, geo.pre_stages)]
     else:
-        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, MODE=0, num_warps=geo.pre_warps,
-                                     num_stages=max(geo.dec_stages, geo.pre_stages))
+        launches = [(3, geo.pre_warps, max(geo.dec_stages, geo.pre_stages))]
+    if geo.long_launch:
+        launches.append((4, geo.long_warps, geo.long_stages))
+    for paths, warps, stages in launches:
+        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, PATHS=paths, num_warps=warps, num_stages=stages)
     if geo.merge_launch:
-        wrap(_merge_split_blocks)[(geo.n_mlist, hkv, geo.block_m // geo.merge_rows)](
+        wrap(_merge_split_blocks)[(geo.n_mlist, hkv, geo.part_rows // geo.merge_rows)](
             out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.mlist_off,
-            G=geo.g, G_PAD=geo.g_pad, DV=dv, PM=geo.block_m, R=geo.merge_rows, SPL=geo.spl_launch, NBF_=NBF, HDR_=HDR,
+            G=geo.g, G_PAD=geo.g_pad, DV=dv, PM=geo.part_rows, R=geo.merge_rows, SPL=geo.spl_launch, NBF_=NBF, HDR_=HDR,
             num_warps=4)
     return out

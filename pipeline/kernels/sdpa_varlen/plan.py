@@ -250,6 +250,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
               geo: Geometry, launch=None) -> Tensor:
     """The work list of one step for every layer that shares these step buffers and bounds."""
     wrap = launch if launch is not None else (lambda fn: fn)
+    tile = max(geo.bn_dec, geo.bn_pre, geo.bn_long if geo.tokb > geo.tokb_short else 0)  # items: whole tiles
     plan = torch.empty(geo.plan_len, dtype=torch.int32, device=q_pos.device)
     col_seg = torch.empty(2 * columns, dtype=torch.int32, device=q_pos.device)
     wrap(_plan_kernel)[(1,)](
@@ -257,7 +258,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
         geo.n_mlist,
         geo.target_items, geo.min_chunk, geo.min_chunk_multi,
-        CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=max(geo.bn_dec, geo.bn_pre), CH=geo.plan_width,
+        CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=tile, CH=geo.plan_width,
         NBF=NBF, HDR=HDR, num_warps=geo.plan_warps,
     )
     return plan

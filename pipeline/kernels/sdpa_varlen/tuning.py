@@ -17,10 +17,15 @@ class Tuning:
     (docs/benchmarks_gpu_sdpa.md)."""
 
     dec_block_n: int = 64  # keys per tile of a one-token (decode) block
-    dec_stages: int = 4  # software-pipelining depth of the decode key loop
+    dec_stages: int = 3  # software-pipelining depth of the decode key loop
     pre_block_m: int = 64  # rows (tokens x query heads) of a multi-token (prefill / draft) tile
     pre_block_n: int = 64  # keys per tile of a multi-token block
     pre_stages: int = 3  # pipelining depth of the multi-token key loops
+    long_block_m: int = 128  # rows of the tile of a *long* block (more tokens than a pre_block_m tile holds), in a
+    # launch of its own on long_warps warps; 0 (or <= pre_block_m): no long blocks, runs cut at pre_block_m rows
+    long_block_n: int = 64  # keys per tile of a long block
+    long_stages: int = 3  # pipelining depth of the long blocks' key loops
+    long_warps: int = 8  # warps of the long blocks' launch
     dec_warps: int = 4  # warps of a decode program (with split_launch)
     pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
     split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
@@ -40,13 +45,15 @@ class Tuning:
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
             raise ValueError(f"Tuning.merge_group={self.merge_group}: 0 (one level) or >= 2 is allowed")
-        for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("merge_rows", 2),
-                            ("plan_width", 16)):
+        if self.long_block_m and (self.long_block_m < 16 or self.long_block_m & (self.long_block_m - 1)):
+            raise ValueError(f"Tuning.long_block_m={self.long_block_m}: 0 or a power of two >= 16 is allowed")
+        for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("long_block_n", 16),
+                            ("merge_rows", 2), ("plan_width", 16)):
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
-        for name in ("dec_stages", "pre_stages", "dec_warps", "pre_warps", "target_ctas", "min_chunk", "min_chunk_multi", "merge_tile",
-                     "plan_warps", "plan_lanes"):
+        for name in ("dec_stages", "pre_stages", "long_stages", "dec_warps", "pre_warps", "long_warps", "target_ctas",
+                     "min_chunk", "min_chunk_multi", "merge_tile", "plan_warps", "plan_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
 
@@ -72,20 +79,28 @@ class Geometry:
     g: int  # query heads per KV head
     g_pad: int
     block_m: int  # rows of a multi-token tile
-    tokb: int  # most tokens of a block (block_m // g_pad)
+    tokb_short: int  # most tokens of a block on the multi-token path (block_m // g_pad)
+    block_m_long: int  # rows of a long block's tile (== block_m: no long blocks)
+    tokb: int  # most tokens of a block: the plan cuts runs at this many (block_m_long // g_pad)
+    long_launch: bool  # the long blocks' launch is made: long blocks exist and the step may hold one
+    part_rows: int  # rows of one partial slot (the largest tile)
     m_dec: int  # rows of a decode tile
     bn_dec: int
     bn_pre: int
+    bn_long: int
     dec_stages: int
     pre_stages: int
+    long_stages: int
     dec_warps: int
     pre_warps: int
+    long_warps: int
     split_launch: bool
     merge_group: int
     min_chunk: int
     min_chunk_multi: int
     spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
     spl_pre: int
+    spl_long: int
     plan_width: int  # lanes of the plan kernel's vectors (a power of two)
     plan_warps: int
     merge_launch: bool
@@ -140,7 +155,11 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     g_pad = next_pow2(g)
     shrink = max(1, max(d, dv) * elem_bytes // 256)  # tiles sized for 2-byte elements, D <= 128
     block_m = max(tuning.pre_block_m // shrink, 2 * g_pad)
-    tokb = block_m // g_pad
+    # long blocks only where the sweep measured them: 2-byte elements, D <= 128
+    block_m_long = max(tuning.long_block_m, block_m) if shrink == 1 else block_m
+    tokb_short, tokb = block_m // g_pad, block_m_long // g_pad
+    tok_bound = _upper(n_tok)
+    long_launch = tokb > tokb_short and (tok_bound is None or tok_bound > tokb_short)
     # upper bounds from shapes only (no host sync); blocks: see the plan kernel
     nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
     target_items = max(1, -(-tuning.target_ctas // hkv))
@@ -153,14 +172,19 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     plan_width = _plan_width(n_tok, columns, target_items, tuning)
     merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
-        g=g, g_pad=g_pad, block_m=block_m, tokb=tokb, m_dec=max(16, g_pad),
+        g=g, g_pad=g_pad, block_m=block_m, tokb_short=tokb_short, block_m_long=block_m_long, tokb=tokb,
+        long_launch=long_launch, part_rows=block_m_long, m_dec=max(16, g_pad),
         bn_dec=max(16, tuning.dec_block_n // shrink), bn_pre=max(16, tuning.pre_block_n // shrink),
+        bn_long=max(16, tuning.long_block_n // shrink),
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
         pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages,
-        dec_warps=tuning.dec_warps, pre_warps=tuning.pre_warps, split_launch=tuning.split_launch,
+        long_stages=min(tuning.long_stages, 2) if wide else tuning.long_stages,
+        dec_warps=tuning.dec_warps, pre_warps=tuning.pre_warps, long_warps=tuning.long_warps,
+        split_launch=tuning.split_launch,
         merge_group=tuning.merge_group,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
+        spl_long=_splits_per_load(block_m_long, dv, tuning.merge_tile),
         plan_width=plan_width, plan_warps=max(1, min(tuning.plan_warps, plan_width // (32 * tuning.plan_lanes))),
         merge_launch=tuning.merge_launch, merge_rows=merge_rows,
         spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
