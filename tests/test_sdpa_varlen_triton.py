@@ -267,7 +267,8 @@ def test_blocks_cut_from_each_run_start(long_m):
     its positions start: a draft block of TOKB tokens at an unaligned position is one block
     (its keys read once), a run of 2 TOKB + 3 is three.  With long blocks (long_m = 32 rows:
     TOKB 16) the same runs give blocks of 8 (the short path), 16 (the long path's launch) and 3."""
-    tuning = K.Tuning(pre_block_m=16, dec_block_n=16, pre_block_n=16, long_block_m=long_m, long_block_n=16)
+    tuning = K.Tuning(pre_block_m=16, dec_block_n=16, pre_block_n=16, long_block_m=long_m, long_block_n=16,
+                      long_min_tokens=0)
     tokb = 16 if long_m else 8  # G_PAD 2
     seqs = [dict(col=0, n_keys=40, start_row=0, first_pos=0, n_q=8, q_first=13),  # 13..20 crosses 16
             dict(col=1, n_keys=50, start_row=5, first_pos=0, n_q=19)]  # 31..49
@@ -292,12 +293,19 @@ def test_blocks_cut_from_each_run_start(long_m):
 
 @needs_kernels
 def test_long_blocks_launch_skipped_by_the_token_bound():
-    """The long blocks' launch is made only where the step may hold more than TOKB_SHORT tokens."""
-    t = K.Tuning(pre_block_m=16, long_block_m=32)
+    """Long blocks (and their launch) only where the step may hold more than TOKB_SHORT and
+    long_min_tokens tokens; without them the plan cuts runs at the short tile's tokens."""
+    t = K.Tuning(pre_block_m=16, long_block_m=32, long_min_tokens=0)
     assert not K.geometry(8, 4, 4, 2, 16, 16, 4, t).long_launch  # 8 tokens: no long block possible
-    assert K.geometry(9, 4, 4, 2, 16, 16, 4, t).long_launch
+    geo = K.geometry(9, 4, 4, 2, 16, 16, 4, t)
+    assert geo.long_launch and (geo.tokb, geo.part_rows) == (16, 32)
+    geo = K.geometry(64, 4, 4, 2, 16, 16, 4, dataclasses.replace(t, long_min_tokens=64))
+    assert not geo.long_launch and (geo.tokb, geo.part_rows) == (8, 16)
+    assert K.geometry(65, 4, 4, 2, 16, 16, 4, dataclasses.replace(t, long_min_tokens=64)).long_launch
     assert not K.geometry(64, 4, 4, 2, 16, 16, 4, dataclasses.replace(t, long_block_m=0)).long_launch
     assert not K.geometry(64, 4, 4, 2, 128, 128, 4, t).long_launch  # fp32 at D 128: no long blocks
+    with pytest.raises(ValueError, match="long_block_m=24"):
+        K.Tuning(long_block_m=24)
 
 
 @needs_kernels
@@ -325,7 +333,8 @@ def test_fuzz():
         check(args, columns, causal, window,
               tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
                                          plan_width=16 if trial in (0, 3, 4, 5) else 1024,
-                                         pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128))
+                                         pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128,
+                                         long_min_tokens=0))
 
 
 @needs_kernels

@@ -250,7 +250,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
               geo: Geometry, launch=None) -> Tensor:
     """The work list of one step for every layer that shares these step buffers and bounds."""
     wrap = launch if launch is not None else (lambda fn: fn)
-    tile = max(geo.bn_dec, geo.bn_pre, geo.bn_long if geo.tokb > geo.tokb_short else 0)  # items: whole tiles
+    tile = max(geo.bn_dec, geo.bn_pre, geo.bn_long if geo.long_launch else 0)  # items: whole tiles
     plan = torch.empty(geo.plan_len, dtype=torch.int32, device=q_pos.device)
     col_seg = torch.empty(2 * columns, dtype=torch.int32, device=q_pos.device)
     wrap(_plan_kernel)[(1,)](

@@ -26,6 +26,8 @@ class Tuning:
     long_block_n: int = 64  # keys per tile of a long block
     long_stages: int = 3  # pipelining depth of the long blocks' key loops
     long_warps: int = 8  # warps of the long blocks' launch
+    long_min_tokens: int = 256  # long blocks only in steps whose token count may exceed this (a static bound from the
+    # shapes): their launch costs 2-3.5 µs even when empty (H200), which smaller steps (decodes, drafts) would pay
     dec_warps: int = 4  # warps of a decode program (with split_launch)
     pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
     split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
@@ -52,6 +54,8 @@ class Tuning:
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
+        if self.long_min_tokens < 0:
+            raise ValueError(f"Tuning.long_min_tokens={self.long_min_tokens}: a non-negative integer is allowed")
         for name in ("dec_stages", "pre_stages", "long_stages", "dec_warps", "pre_warps", "long_warps", "target_ctas",
                      "min_chunk", "min_chunk_multi", "merge_tile", "plan_warps", "plan_lanes"):
             if getattr(self, name) < 1:
@@ -80,9 +84,9 @@ class Geometry:
     g_pad: int
     block_m: int  # rows of a multi-token tile
     tokb_short: int  # most tokens of a block on the multi-token path (block_m // g_pad)
-    block_m_long: int  # rows of a long block's tile (== block_m: no long blocks)
+    block_m_long: int  # rows of a long block's tile (== block_m: no long blocks in this step)
     tokb: int  # most tokens of a block: the plan cuts runs at this many (block_m_long // g_pad)
-    long_launch: bool  # the long blocks' launch is made: long blocks exist and the step may hold one
+    long_launch: bool  # long blocks (and their launch) in this step
     part_rows: int  # rows of one partial slot (the largest tile)
     m_dec: int  # rows of a decode tile
     bn_dec: int
@@ -155,11 +159,13 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     g_pad = next_pow2(g)
     shrink = max(1, max(d, dv) * elem_bytes // 256)  # tiles sized for 2-byte elements, D <= 128
     block_m = max(tuning.pre_block_m // shrink, 2 * g_pad)
-    # long blocks only where the sweep measured them: 2-byte elements, D <= 128
-    block_m_long = max(tuning.long_block_m, block_m) if shrink == 1 else block_m
-    tokb_short, tokb = block_m // g_pad, block_m_long // g_pad
+    # long blocks only where the sweep measured them (2-byte elements, D <= 128) and in steps that may
+    # hold more than long_min_tokens tokens; without them runs are cut at the short tile's tokens
     tok_bound = _upper(n_tok)
-    long_launch = tokb > tokb_short and (tok_bound is None or tok_bound > tokb_short)
+    long_launch = (shrink == 1 and tuning.long_block_m > block_m
+                   and (tok_bound is None or tok_bound > max(tuning.long_min_tokens, block_m // g_pad)))
+    block_m_long = tuning.long_block_m if long_launch else block_m
+    tokb_short, tokb = block_m // g_pad, block_m_long // g_pad
     # upper bounds from shapes only (no host sync); blocks: see the plan kernel
     nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
     target_items = max(1, -(-tuning.target_ctas // hkv))
