@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline.kernels.reference import sdpa_cells_reference, sdpa_varlen_reference
+from pipeline.kernels.reference import sdpa_cells_reference, sdpa_varlen_reference, sdpa_varlen_rows_reference
 
 TOL = 1e-5
 
@@ -56,6 +56,11 @@ def test_sdpa_varlen_matches_float64(hq, hkv, causal, window):
     want = naive(q, keys_of, scale)
     assert torch.allclose(got.double(), want, atol=TOL, rtol=0)
     assert torch.all(got[-1] == 0), "a query that sees no key gets zeros"
+    # sdpa_varlen_rows: the same first `rows` rows of every column inside stores of 7 rows more (random)
+    big_k = torch.cat([k_store, torch.randn(7 * columns, hkv, d, generator=gen)])
+    big_v = torch.cat([v_store, torch.randn(7 * columns, hkv, d, generator=gen)])
+    got_rows = sdpa_varlen_rows_reference(q, big_k, big_v, q_pos, q_cols, seq_info, columns, rows, scale, causal, window)
+    assert torch.allclose(got_rows.double(), want, atol=TOL, rtol=0)
 
 
 def test_sdpa_varlen_detects_a_wrong_segment():

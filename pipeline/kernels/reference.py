@@ -79,12 +79,10 @@ def _window_causal(visible: Tensor, key_pos: Tensor, q_pos: Tensor, causal: bool
     return visible
 
 
-def sdpa_varlen_reference(
-    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
-    seq_info: Tensor, columns: int, scale: float, causal: bool, window: int,
-) -> Tensor:
-    rows = k_store.shape[0] // columns
-    row = torch.arange(rows, device=q.device, dtype=torch.int64)  # [rows]
+def _column_visibility(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, rows, causal: bool,
+                       window: int) -> Tensor:
+    """[T, rows]: which of the first ``rows`` rows of its column each query sees."""
+    row = torch.arange(rows, device=q_pos.device, dtype=torch.int64)  # [rows]
     seg_col, first_row, row_count, first_pos = seq_info.unbind(1)  # each [S]
     in_seg = ((row[None, :] >= first_row[:, None]) & (row[None, :] < (first_row + row_count)[:, None])).float()  # [S, rows]
     seg_key_pos = (first_pos[:, None] + (row[None, :] - first_row[:, None])).float()  # [S, rows]
@@ -92,17 +90,42 @@ def sdpa_varlen_reference(
     # per step and layer kind (compile merges the copies of other layers); per query it is then a
     # row lookup, O(T * rows) rather than O(T * segments * rows). fp32 holds positions exactly
     # below 2**24.
-    owns = (torch.arange(columns, device=q.device)[:, None] == seg_col[None, :]).float()  # [columns, S]
+    owns = (torch.arange(columns, device=q_pos.device)[:, None] == seg_col[None, :]).float()  # [columns, S]
     col_visible = torch.matmul(owns, in_seg) > 0  # [columns, rows]
     col_key_pos = torch.matmul(owns, in_seg * seg_key_pos)  # [columns, rows]
     visible = col_visible.index_select(0, q_cols)  # [T, rows]
     key_pos = col_key_pos.index_select(0, q_cols)
-    visible = _window_causal(visible, key_pos, q_pos.float(), causal, window)
+    return _window_causal(visible, key_pos, q_pos.float(), causal, window)
+
+
+def sdpa_varlen_reference(
+    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
+    seq_info: Tensor, columns: int, scale: float, causal: bool, window: int,
+) -> Tensor:
+    rows = k_store.shape[0] // columns
+    visible = _column_visibility(q_pos, q_cols, seq_info, columns, rows, causal, window)
     # each query's column of the store: [rows, columns, H, D] -> [T, rows, H, D]. index_select copies
     # whole rows of H * D; an advanced-index gather over [T, rows] slots is several times slower on
     # ExecuTorch's portable kernels.
     k = k_store.view(rows, columns, *k_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
     v = v_store.view(rows, columns, *v_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
+    return _attend_per_query(q, k, v, visible, scale)
+
+
+def sdpa_varlen_rows_reference(
+    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
+    seq_info: Tensor, columns: int, rows: int, scale: float, causal: bool, window: int,
+) -> Tensor:
+    """``sdpa_varlen`` over the first ``rows`` rows of every column of stores that may hold more
+    (every segment inside them): each query's keys are gathered in one ``index_select`` over
+    their slots (row * columns + column), so a step copies the rows its queries read, not a
+    prefix of every column (the copy a slice of the stores costs on ExecuTorch's CPU runtime)."""
+    visible = _column_visibility(q_pos, q_cols, seq_info, columns, rows, causal, window)
+    n_tok = q.shape[0]
+    row = torch.arange(rows, device=q.device, dtype=torch.int64)
+    slots = (row[None, :] * columns + q_cols[:, None]).reshape(-1)  # [T * rows]
+    k = k_store.index_select(0, slots).view(n_tok, rows, *k_store.shape[1:])
+    v = v_store.index_select(0, slots).view(n_tok, rows, *v_store.shape[1:])
     return _attend_per_query(q, k, v, visible, scale)
 
 
@@ -128,6 +151,19 @@ def _(q, k_store, v_store, q_pos, q_cols, seq_info, columns, scale, causal, wind
     return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])
 
 
+@torch.library.custom_op("kvcache::sdpa_varlen_rows", mutates_args=())
+def sdpa_varlen_rows(
+    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
+    seq_info: Tensor, columns: int, rows: int, scale: float, causal: bool, window: int,
+) -> Tensor:
+    return sdpa_varlen_rows_reference(q, k_store, v_store, q_pos, q_cols, seq_info, columns, rows, scale, causal, window)
+
+
+@sdpa_varlen_rows.register_fake
+def _(q, k_store, v_store, q_pos, q_cols, seq_info, columns, rows, scale, causal, window):
+    return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])
+
+
 @torch.library.custom_op("kvcache::sdpa_cells", mutates_args=())
 def sdpa_cells(
     q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_seq_bits: Tensor,
@@ -145,5 +181,6 @@ def _(q, k_store, v_store, q_pos, q_seq_bits, cell_pos, cell_owners, scale, caus
 # them with their ATen bodies through this table.
 ATEN_DECOMPOSITIONS = {
     torch.ops.kvcache.sdpa_varlen.default: sdpa_varlen_reference,
+    torch.ops.kvcache.sdpa_varlen_rows.default: sdpa_varlen_rows_reference,
     torch.ops.kvcache.sdpa_cells.default: sdpa_cells_reference,
 }

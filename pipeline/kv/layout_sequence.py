@@ -81,8 +81,11 @@ class SequenceLayout(KVLayout):
         seq_info = step[f"seq_info_{layer.kind}"]
         if "sdpa_plan" not in kernel:
             # the ATen attention reads (and gathers per query) the rows the step's sequences hold:
-            # the store's prefix of len(read_rows) rows of every column
+            # the first len(read_rows) rows of each query's column
             n_read = call(aten.sym_size.int, (step[f"read_rows_{layer.kind}"], 0))
+            if "sdpa_varlen_rows" in kernel:  # gathers those rows from the whole stores
+                return call(kernel["sdpa_varlen_rows"], (
+                    q, k_store, v_store, pos, cols, seq_info, self.columns, n_read, scale, self.causal, layer.window))
             end = call(operator.mul, (n_read, self.columns))
             k_store = call(aten.slice.Tensor, (k_store, 0, 0, end))
             v_store = call(aten.slice.Tensor, (v_store, 0, 0, end))
