@@ -9,7 +9,8 @@ prompt and program sizes, against llama.cpp (llama-cpp-python, the same GGUF) an
     python bench/smollm2_quant.py outputs/smollm2_none/v0001 outputs/smollm2_int8/v0001 outputs/smollm2_int4/v0001
 
 Decode: every sequence first holds --context tokens of a text prompt; a step feeds one token to each
-of S sequences; tokens/s is the median step's aggregate rate. Prefill: one sequence's --prefill
+of S sequences; tokens/s is the median step's aggregate rate, and the median of --rounds rounds
+that interleave every artifact's decodes with llama.cpp's. Prefill: one sequence's --prefill
 tokens fed in chunks of the artifact's widest step, wall time of the whole prompt. llama.cpp decodes
 one sequence (its batch-1 rate, --threads threads) and prefills in one batch. Without llama-cpp-python
 installed the script stops: a baseline is not skipped silently.
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds (medians over them)")
     args = parser.parse_args()
     try:
         import llama_cpp as llama_cpp_module
@@ -98,20 +100,33 @@ def main() -> None:
     context, prompt = text_ids[: args.context], text_ids[: args.prefill]
 
     rows = {}  # name -> {S: tokens/s, "prefill": ..., "bytes": ...}
+    names = {}
     for version in args.versions:
         record = json.loads((version / "build.json").read_text())
-        name = f"ours {record.get('quant', {}).get('scheme', 'none')}"
+        name = names[version] = f"ours {record.get('quant', {}).get('scheme', 'none')}"
         session = Session(version)
         if max(args.seqs) > session.max_seqs or len(prompt) + 1 > (session.max_length or len(prompt) + 1):
             sys.exit(f"{version}: needs kv.max_seqs >= {max(args.seqs)} and kv.capacity > {len(prompt)}")
-        rows[name] = {s: ours_decode(version, s, context, args.steps) for s in args.seqs}
-        rows[name]["prefill"] = ours_prefill(session, prompt)
-        rows[name]["bytes"] = sum(info["bytes"] for f, info in record["artifacts"].items() if f.endswith((".pte", ".ptd")))
-        print(name, {k: round(v, 1) for k, v in rows[name].items() if k != "bytes"}, flush=True)
+        rows[name] = {"prefill": ours_prefill(session, prompt),
+                      "bytes": sum(info["bytes"] for f, info in record["artifacts"].items() if f.endswith((".pte", ".ptd")))}
         del session
-    decode, prefill = llama_cpp_rates(gguf, context, prompt, args.steps, args.threads)
-    rows["llama.cpp Q4_1"] = {1: decode, "prefill": prefill, "bytes": gguf.stat().st_size}
-    print("llama.cpp", round(decode, 1), round(prefill, 1), flush=True)
+    # decode: rounds interleaved (every artifact at each S, then llama.cpp), medians over the rounds:
+    # this machine's speed drifts by tens of percent over minutes
+    decode = {name: {s: [] for s in args.seqs} for name in rows}
+    lcpp_decode, lcpp_prefill = [], []
+    for r in range(args.rounds):
+        for version, name in names.items():
+            for s in args.seqs:
+                decode[name][s].append(ours_decode(version, s, context, args.steps))
+        d, p = llama_cpp_rates(gguf, context, prompt, args.steps, args.threads)
+        lcpp_decode.append(d)
+        lcpp_prefill.append(p)
+        print(f"round {r + 1}:", {n: {s: round(v[-1], 1) for s, v in d_.items()} for n, d_ in decode.items()},
+              "llama.cpp", round(d, 1), flush=True)
+    for name in rows:
+        rows[name].update({s: statistics.median(v) for s, v in decode[name].items()})
+    rows["llama.cpp Q4_1"] = {1: statistics.median(lcpp_decode), "prefill": statistics.median(lcpp_prefill),
+                              "bytes": gguf.stat().st_size}
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     rows["transformers fp32"] = {s: hf_decode(hf, s, context, args.steps) for s in args.seqs}
     rows["transformers fp32"]["prefill"] = hf_prefill(hf, prompt)
@@ -129,10 +144,12 @@ def main() -> None:
         size = f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "—"
         table += (f"| {name} | {' | '.join(cells)} | {ratio} | {r[1] / lcpp:.2f}x | {vs_top} | {r['prefill']:.1f} | {size} |\n")
     print(table)
-    cmd = f"python bench/smollm2_quant.py {' '.join(map(str, args.versions))}"
+    cmd = f"python bench/smollm2_quant.py {' '.join(map(str, args.versions))}" + (
+        f" --rounds {args.rounds}" if args.rounds != 3 else "")
     write_section("smollm2_quant", f"## SmolLM2-135M-Instruct by quantization, XNNPACK, CPU, against llama.cpp\n\n"
                   f"`{cmd}` on {os.cpu_count()} CPU cores ({args.threads} threads everywhere), {time.strftime('%Y-%m-%d')}: "
-                  f"decode with {args.context} tokens of context per sequence, median of {args.steps} steps; prefill of "
+                  f"decode with {args.context} tokens of context per sequence, median of {args.steps} steps, median of "
+                  f"{args.rounds} interleaved rounds (each: every artifact at each S, then llama.cpp); prefill of "
                   f"a {args.prefill}-token prompt; llama.cpp (llama-cpp-python {llama_cpp_module.__version__}, batch 1) and "
                   f"transformers eager (fp32) on the same GGUF in the same run. Our artifacts hold "
                   f"kv.max_seqs={max(args.seqs)} columns and serve S < max_seqs from the same program.\n\n{table}")
