@@ -14,7 +14,9 @@ import torch
 class Tuning:
     """Tiles are given for 2-byte elements and D <= 128; ``geometry`` shrinks them for more
     bytes per key.  The defaults are the winners of ``bench/sdpa_varlen.py --sweep`` on an H200
-    (docs/benchmarks_gpu_sdpa.md)."""
+    (docs/benchmarks_gpu_sdpa.md), but for the long blocks': the sweep that timed them (on vs off) ran
+    before ``long_min_tokens`` kept them out of draft steps, and chose off on the drafts' loss;
+    they are on for the prefill gains measured beside it (docs/benchmarks.md, fifth round)."""
 
     dec_block_n: int = 64  # keys per tile of a one-token (decode) block
     dec_stages: int = 3  # software-pipelining depth of the decode key loop
