@@ -5,8 +5,9 @@ Two kernels per step, no host synchronisation:
 - ``plan.py``: ``_plan_kernel`` (one program) turns the step's buffers (``q_pos``, ``q_cols``,
   ``seq_info``) into a work list of *items* (a block of query tokens of one sequence x a run
   of its visible keys), the plan's int32 layout named once there;
-- ``attention.py``: ``_sdpa_varlen_fwd`` runs the items for every KV head in one launch,
+- ``attention.py``: ``_sdpa_varlen_fwd`` runs the items for every KV head in one launch (a second for long blocks),
   the splits of a long block merged by the last of them to finish;
+- ``merge.py``: the log-sum-exp merges of split blocks' partials (fused, and the merge launch);
 - ``tuning.py``: the tiles and split targets (``Tuning``, a frozen value; ``DEFAULT``) and the
   geometry of one call derived from shapes;
 - ``ops.py``: the ``kvcache::`` ops that ``lower_kv`` emits for ``backend=cuda``.
