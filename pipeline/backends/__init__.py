@@ -39,15 +39,14 @@ class Backend:
     one_retrace = True
 
     def attention_kernel(self) -> dict:
-        """The ops lower_kv's store lowering calls: ``sdpa_varlen`` (and ``sdpa_plan`` where the
-        attention is planned once per step and layer kind; ``sdpa_varlen_rows`` where the sequence
-        layout's attention gathers the rows it reads from the whole stores)."""
+        """The ops lower_kv's store lowering calls: ``sdpa_varlen_rows`` (the ATen attention over the
+        rows the step reads), or ``sdpa_plan`` + ``sdpa_varlen`` where the attention is planned once
+        per step and layer kind."""
         import torch
 
-        import pipeline.kernels.reference  # noqa: F401  (registers kvcache::sdpa_varlen, sdpa_cells)
+        import pipeline.kernels.reference  # noqa: F401  (registers the kvcache:: attention ops)
 
-        return {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen.default,
-                "sdpa_varlen_rows": torch.ops.kvcache.sdpa_varlen_rows.default}
+        return {"sdpa_varlen_rows": torch.ops.kvcache.sdpa_varlen_rows.default}
 
     def inlined(self) -> dict:
         """Custom ops the backend has no kernel for -> their ATen bodies (run_decompositions table)."""

@@ -13,7 +13,6 @@ first ``len(read_rows) * columns`` slots only. A decode then costs what its sequ
 capacity.
 """
 
-import operator
 from dataclasses import dataclass
 
 from pipeline.kv.layouts import DTYPE_BYTES, KVLayout, LayerStore, Pool, SeqState, StepBuffer, sequence_segments
@@ -82,15 +81,10 @@ class SequenceLayout(KVLayout):
         if "sdpa_plan" not in kernel:
             # the ATen attention reads (and gathers per query) the rows the step's sequences hold:
             # the first len(read_rows) rows of each query's column
+            # (gathered from the whole stores: a slice of them would copy every column's rows)
             n_read = call(aten.sym_size.int, (step[f"read_rows_{layer.kind}"], 0))
-            if "sdpa_varlen_rows" in kernel:  # gathers those rows from the whole stores
-                return call(kernel["sdpa_varlen_rows"], (
-                    q, k_store, v_store, pos, cols, seq_info, self.columns, n_read, scale, self.causal, layer.window))
-            end = call(operator.mul, (n_read, self.columns))
-            k_store = call(aten.slice.Tensor, (k_store, 0, 0, end))
-            v_store = call(aten.slice.Tensor, (v_store, 0, 0, end))
-            return call(kernel["sdpa_varlen"], (
-                q, k_store, v_store, pos, cols, seq_info, self.columns, scale, self.causal, layer.window))
+            return call(kernel["sdpa_varlen_rows"], (
+                q, k_store, v_store, pos, cols, seq_info, self.columns, n_read, scale, self.causal, layer.window))
         if layer.kind not in plans:  # every layer of a kind has the same bounds and shapes: one plan
             plans[layer.kind] = call(kernel["sdpa_plan"], (
                 pos, cols, seq_info, self.columns, self.causal, layer.window, q_meta.shape[1],

@@ -90,12 +90,11 @@ def _step_buffer_dims(layout: KVLayout, token_dim) -> tuple:
 
 def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs, kernel: dict | None = None) -> ExportedProgram:
     """Rewrite every neutral KV node of ``ep``; ``kernel`` (``Backend.attention_kernel()``) picks the
-    attention: ``{"sdpa_varlen": op}`` (default: the ATen ``kvcache::sdpa_varlen``), or with
+    attention: ``{"sdpa_varlen_rows": op}`` (default: the ATen ``kvcache::sdpa_varlen_rows``), or with
     ``"sdpa_plan"`` (``kvcache::sdpa_varlen_plan``) the planned form (``kvcache::sdpa_varlen_attend``):
     one plan per layer kind, shared by its layers. The store index math and the attention call are the
     layout's (``KVLayout.write_slots`` / ``attend``)."""
-    kernel = kernel or {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen.default,
-                        "sdpa_varlen_rows": torch.ops.kvcache.sdpa_varlen_rows.default}
+    kernel = kernel or {"sdpa_varlen_rows": torch.ops.kvcache.sdpa_varlen_rows.default}
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
     module = unlifted(ep)
