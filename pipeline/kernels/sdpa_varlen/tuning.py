@@ -89,7 +89,6 @@ class Geometry:
     block_m_long: int  # rows of a long block's tile (== block_m: no long blocks in this step)
     tokb: int  # most tokens of a block: the plan cuts runs at this many (block_m_long // g_pad)
     long_launch: bool  # long blocks (and their launch) in this step
-    part_rows: int  # rows of one partial slot (the largest tile)
     m_dec: int  # rows of a decode tile
     bn_dec: int
     bn_pre: int
@@ -121,6 +120,11 @@ class Geometry:
     mlist_off: object
     rec_off: object
     plan_len: object
+
+    @property
+    def part_rows(self) -> int:
+        """Rows of one partial slot: the largest tile's."""
+        return self.block_m_long
 
 
 def _upper(x) -> int | None:
@@ -181,7 +185,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
         g=g, g_pad=g_pad, block_m=block_m, tokb_short=tokb_short, block_m_long=block_m_long, tokb=tokb,
-        long_launch=long_launch, part_rows=block_m_long, m_dec=max(16, g_pad),
+        long_launch=long_launch, m_dec=max(16, g_pad),
         bn_dec=max(16, tuning.dec_block_n // shrink), bn_pre=max(16, tuning.pre_block_n // shrink),
         bn_long=max(16, tuning.long_block_n // shrink),
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
