@@ -261,6 +261,19 @@ def test_two_launches_match_one():
 
 
 @needs_kernels
+def test_long_launch_order():
+    """The long launch runs its items last to first (``Tuning.longest_first``): the same output,
+    bit for bit, as in plan order, split long blocks (merged by their last item) included."""
+    tuning = dataclasses.replace(SMALL["tuning"], pre_block_m=16, long_block_m=32, long_min_tokens=0)
+    seqs = [dict(col=0, n_keys=70, n_q=40), dict(col=1, n_keys=3, n_q=1), dict(col=2, n_keys=55, n_q=12),
+            dict(col=3, n_keys=64, start_row=9, first_pos=0, n_q=33)]
+    args = make_step(seqs, columns=4, rows=72, hq=4, hkv=2, d=16, seed=21)
+    last_first, _, n_split = check(args, 4, True, 0, expect_split=True, tuning=tuning)
+    in_order, _, _ = check(args, 4, True, 0, expect_split=True, tuning=dataclasses.replace(tuning, longest_first=False))
+    assert n_split >= 2 and torch.equal(last_first, in_order)
+
+
+@needs_kernels
 @pytest.mark.parametrize("long_m", [0, 32])
 def test_blocks_cut_from_each_run_start(long_m):
     """A run of query tokens is cut into blocks of TOKB tokens from its first token, wherever
@@ -334,7 +347,7 @@ def test_fuzz():
               tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
                                          plan_width=16 if trial in (0, 3, 4, 5) else 1024,
                                          pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128,
-                                         long_min_tokens=0))
+                                         long_min_tokens=0, longest_first=trial != 4))
 
 
 @needs_kernels

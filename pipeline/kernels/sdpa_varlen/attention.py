@@ -230,14 +230,21 @@ def _sdpa_varlen_fwd(
     SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr, SPL_LONG: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NBF_: tl.constexpr, PATHS: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MULTI_MERGE: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """The items of the paths in PATHS (a bit mask): 1 decode blocks (one token), 2
     multi-token blocks of at most TOKB_SHORT tokens (BLOCK_M-row tiles), 4 long blocks (more
-    tokens, BLOCK_M_LONG-row tiles); the launches of one call cover the three between them."""
+    tokens, BLOCK_M_LONG-row tiles); the launches of one call cover the three between them.
+    REVERSE: program p runs item n_items - 1 - p (the plan's last items first)."""
     p = tl.program_id(0)
     h = tl.program_id(1)
-    # all loads independent of each other: the item record (p < W_MAX is in bounds)
     n_items = tl.load(plan + H_ITEMS)
+    if REVERSE:
+        # a causal prefill's blocks are in token order, so its longest come last in the plan; run
+        # first, they leave the short ones to fill the launch's tail.  The record's loads wait for
+        # n_items' (one more round trip), so only the long launch does this.
+        p = tl.where(p < n_items, n_items - 1 - p, p)
+    # the item record's loads, independent of each other (p < W_MAX is in bounds)
     rp = plan + REC_OFF + p * NBF_
     tok0 = tl.load(rp + F_TOK0)
     ntok = tl.load(rp + F_NTOK)
@@ -320,7 +327,8 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     if geo.long_launch:
         launches.append((4, geo.long_warps, geo.long_stages))
     for paths, warps, stages in launches:
-        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, PATHS=paths, num_warps=warps, num_stages=stages)
+        wrap(_sdpa_varlen_fwd)[grid](*args, **consts, PATHS=paths, REVERSE=paths == 4 and geo.longest_first,
+                                     num_warps=warps, num_stages=stages)
     if geo.merge_launch:
         wrap(_merge_split_blocks)[(geo.n_mlist, hkv, geo.part_rows // geo.merge_rows)](
             out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.mlist_off,

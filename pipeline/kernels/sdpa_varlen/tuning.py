@@ -30,6 +30,8 @@ class Tuning:
     long_warps: int = 8  # warps of the long blocks' launch
     long_min_tokens: int = 256  # long blocks only in steps whose token count may exceed this (a static bound from the
     # shapes): their launch costs 2-3.5 µs even when empty (H200), which smaller steps (decodes, drafts) would pay
+    longest_first: bool = True  # the long launch runs the plan's items last to first: a causal prefill's longest
+    # blocks first, its short ones in the launch's tail
     dec_warps: int = 4  # warps of a decode program (with split_launch)
     pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
     split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
@@ -89,6 +91,7 @@ class Geometry:
     block_m_long: int  # rows of a long block's tile (== block_m: no long blocks in this step)
     tokb: int  # most tokens of a block: the plan cuts runs at this many (block_m_long // g_pad)
     long_launch: bool  # long blocks (and their launch) in this step
+    longest_first: bool  # the long launch runs the items last to first
     m_dec: int  # rows of a decode tile
     bn_dec: int
     bn_pre: int
@@ -185,7 +188,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
         g=g, g_pad=g_pad, block_m=block_m, tokb_short=tokb_short, block_m_long=block_m_long, tokb=tokb,
-        long_launch=long_launch, m_dec=max(16, g_pad),
+        long_launch=long_launch, longest_first=tuning.longest_first, m_dec=max(16, g_pad),
         bn_dec=max(16, tuning.dec_block_n // shrink), bn_pre=max(16, tuning.pre_block_n // shrink),
         bn_long=max(16, tuning.long_block_n // shrink),
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
