@@ -14,6 +14,11 @@ XNNPACK, from the same GGUF, timed against our int4 artifact through the same ru
 3. Decode: its ``forward(tokens [1, n], input_pos [1])`` through ``executorch.runtime``: --context
    tokens of a text prompt in one call, then the median of --steps one-token steps; our artifact at
    S=1 on the same prompt, alternating rounds, in the same process.
+
+``--build-ours`` builds our artifact in the same run, right before the export, with the issue's
+command (``python -m pipeline model=smollm2_135m quant=int4 kv=sequence kv.max_seqs=8``, validate
+included) under ``--out``/ours; its process wall is the build time of the ratio.  That puts both on
+the same machine state, which the ratio needs: this machine's speed drifts by 20-30% between hours.
 """
 
 import argparse
@@ -68,6 +73,23 @@ def convert(gguf: Path, out: Path) -> tuple[Path, Path]:
     }, indent=2))
     print(f"converted {gguf.name} -> {checkpoint} ({len(weights)} tensors), {params}", flush=True)
     return checkpoint, params
+
+
+def build_ours(out: Path) -> tuple[Path, float]:
+    """Our int4 build (the issue's must-show command) in a process of its own: (version, wall seconds)."""
+    root = out / "ours"
+    cmd = [sys.executable, "-m", "pipeline", "model=smollm2_135m", "quant=int4", "kv=sequence", "kv.max_seqs=8",
+           f"output_root={root}", "experiment_name=int4"]
+    print("build:", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with (out / "ours_build.log").open("w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - t0
+    versions = sorted((root / "int4").glob("v[0-9]*"))
+    if proc.returncode != 0 or not versions:
+        sys.exit(f"our build failed (exit {proc.returncode}); see {out / 'ours_build.log'}")
+    print(f"ours: {seconds:.0f} s, {versions[-1]}", flush=True)
+    return versions[-1], seconds
 
 
 def export(checkpoint: Path, params: Path, out: Path, max_seq: int) -> tuple[Path, float]:
@@ -143,6 +165,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the checkpoint, the .pte and export.log go")
     parser.add_argument("--ours", type=Path, help="our int4 SmolLM2 artifact (a version directory) to time beside it")
     parser.add_argument("--ours-build-s", type=float, help="our int4 build's seconds (its build.json), for the ratio")
+    parser.add_argument("--build-ours", action="store_true",
+                        help="build our int4 artifact in this run, before the export (sets --ours and --ours-build-s)")
     parser.add_argument("--skip-export", action="store_true", help="reuse --out's .pte")
     parser.add_argument("--export-s", type=float, help="with --skip-export: the earlier export's seconds, for the ratio")
     parser.add_argument("--context", type=int, default=64)
@@ -152,6 +176,9 @@ def main() -> None:
     torch.set_num_threads(2)
 
     pte, export_s = args.out / "smollm2_8da4w.pte", args.export_s
+    if args.build_ours:
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.ours, args.ours_build_s = build_ours(args.out)
     if not args.skip_export:
         checkpoint, params = convert(gguf_path(), args.out)
         pte, export_s = export(checkpoint, params, args.out, max_seq=args.context + args.steps + 8)
