@@ -54,3 +54,39 @@ def test_one_retrace_and_skipped_passes_give_executorchs_program():
     delegates = [node for node in ours.exported_program("forward").graph.nodes if "call_delegate" in str(node.target)]
     assert len(delegates) >= 2
     assert ours.to_executorch().buffer == theirs.to_executorch().buffer
+
+
+def test_edge_dialect_checked_once_per_method(monkeypatch):
+    """With the config's IR check on, the one-retrace lowering runs ExecuTorch's Edge-dialect
+    checks on each method's final graph, once, and not on each intermediate program (each
+    partition's, after each XNNPACK pass); a refusal of the check fails the compile."""
+    import pytest
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir.verification import verifier
+
+    from pipeline.passes import edge
+
+    ep = torch.export.export(Block().eval(), (torch.randn(4, 16), torch.tensor([3, 0, 1, 2])), strict=False)
+    real, checked = verifier._check_tensor_args_matching_op_allowed_dtype, []
+
+    def counted(gm):
+        checked.append(gm)
+        return real(gm)
+
+    def lower():
+        with xnnpack.lowering():
+            return edge.to_edge_transform_and_lower(xnnpack, {"forward": ep}, {"forward": [XnnpackPartitioner()]},
+                                                    None, EdgeCompileConfig())
+
+    xnnpack = backend("xnnpack")
+    monkeypatch.setattr(verifier, "_check_tensor_args_matching_op_allowed_dtype", counted)
+    program = lower().exported_program("forward")
+    assert len(checked) == 1 and checked[0] is program.graph_module
+
+    def refusing(gm):
+        raise verifier.SpecViolationError("refused")
+
+    monkeypatch.setattr(verifier, "_check_tensor_args_matching_op_allowed_dtype", refusing)
+    with pytest.raises(verifier.SpecViolationError, match="refused"):
+        lower()

@@ -25,6 +25,7 @@ as pinned in pyproject.toml): a version that changes them fails here, at compile
 """
 
 import contextlib
+import dataclasses
 
 
 @contextlib.contextmanager
@@ -115,6 +116,12 @@ def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, cons
     )
     from executorch.exir.verification.verifier import EXIREdgeDialectVerifier
 
+    # The Edge-dialect check runs once per method, on its final graph (below).  ExecuTorch's flow with
+    # the check on also verifies every intermediate program (each partition's, after each of XNNPACK's
+    # passes, ~4000 verifications in an int4 SmolLM2 compile); it runs with the check off, as XNNPACK's
+    # own edge config and ExecuTorch's export_llm do.
+    verify = config._check_ir_validity
+    config = dataclasses.replace(config, _check_ir_validity=False)
     chosen = {name: (partitioners.get(name) or [None])[0] for name in lowered}
     tables, kept, checked = {}, {}, {}
     for name, ep in lowered.items():
@@ -145,7 +152,7 @@ def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, cons
             ops = set(_remove_invalid_ops_for_not_decompose(ops) if checked[name] else ops)
             _sanity_check_graph_for_non_decomp_ops(name, program, ops, check, generate_error=True,
                                                    partitioner_name=type(p).__name__)
-        if config._check_ir_validity:
-            EXIREdgeDialectVerifier(edge_compile_config=config, class_only=True,
-                                    preserve_ops=config.preserve_ops + list(ops))()(program.graph_module)
+        if verify:
+            EXIREdgeDialectVerifier(edge_compile_config=dataclasses.replace(config, _check_ir_validity=True),
+                                    class_only=True, preserve_ops=config.preserve_ops + list(ops))()(program.graph_module)
     return edge
