@@ -268,6 +268,11 @@ def test_long_launch_order():
     seqs = [dict(col=0, n_keys=70, n_q=40), dict(col=1, n_keys=3, n_q=1), dict(col=2, n_keys=55, n_q=12),
             dict(col=3, n_keys=64, start_row=9, first_pos=0, n_q=33)]
     args = make_step(seqs, columns=4, rows=72, hq=4, hkv=2, d=16, seed=21)
+    geo = K.geometry_of(args[0], args[1], args[2], 4, tuning)
+    plan = K.plan_impl(args[3], args[4], args[5], 4, True, 0, geo).cpu()
+    blocks = [(int(plan[K.HDR + b * K.NBF + int(K.F_NTOK)]), int(plan[K.HDR + b * K.NBF + int(K.F_NSPLIT)]))
+              for b in range(int(plan[int(K.H_BLOCKS)]))]
+    assert geo.long_launch and sum(n > geo.tokb_short and s > 1 for n, s in blocks) >= 2, blocks  # long, split
     last_first, _, n_split = check(args, 4, True, 0, expect_split=True, tuning=tuning)
     in_order, _, _ = check(args, 4, True, 0, expect_split=True, tuning=dataclasses.replace(tuning, longest_first=False))
     assert n_split >= 2 and torch.equal(last_first, in_order)
