@@ -157,6 +157,22 @@ def _gguf(path: Path, arch="llama", dtype=None):
     return path
 
 
+def test_gguf_reader_opened_once_while_the_file_is_unchanged(tmp_path):
+    """A build reads one GGUF in several stages; the reader is parsed once, and again after the
+    file is rewritten (its size or mtime changed)."""
+    import os
+
+    from pipeline.models.loaders.gguf import _reader
+
+    path = _gguf(tmp_path / "m.gguf")
+    first = _reader(path)
+    assert _reader(path) is first and _reader(tmp_path / "." / "m.gguf") is first
+    _gguf(path, dtype="float16")  # rewritten: other tensor type, other size
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1))
+    second = _reader(path)
+    assert second is not first and second.tensors[0].tensor_type.name == "F16"
+
+
 def _pipeline(tmp_path, *args):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path / 'out'}", *args],
