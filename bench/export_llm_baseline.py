@@ -75,21 +75,28 @@ def convert(gguf: Path, out: Path) -> tuple[Path, Path]:
     return checkpoint, params
 
 
-def build_ours(out: Path) -> tuple[Path, float]:
-    """Our int4 build (the issue's must-show command) in a process of its own: (version, wall seconds)."""
-    root = out / "ours"
-    cmd = [sys.executable, "-m", "pipeline", "model=smollm2_135m", "quant=int4", "kv=sequence", "kv.max_seqs=8",
-           f"output_root={root}", "experiment_name=int4"]
-    print("build:", " ".join(cmd), flush=True)
+def timed_run(cmd: list[str], log: Path, what: str) -> float:
+    """``cmd`` in a process of its own, its output in ``log``: its wall seconds; exits on failure."""
+    print(f"{what}:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    with (out / "ours_build.log").open("w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - t0
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed (exit {proc.returncode}); see {log}")
+    return time.perf_counter() - t0
+
+
+def build_ours(out: Path) -> tuple[Path, float]:
+    """Our int4 build (the issue's must-show command): (version, wall seconds)."""
+    root = out / "ours"
+    seconds = timed_run([sys.executable, "-m", "pipeline", "model=smollm2_135m", "quant=int4", "kv=sequence",
+                         "kv.max_seqs=8", f"output_root={root}", "experiment_name=int4"], out / "ours_build.log", "our build")
     versions = sorted((root / "int4").glob("v[0-9]*"))
-    if proc.returncode != 0 or not versions:
-        sys.exit(f"our build failed (exit {proc.returncode}); see {out / 'ours_build.log'}")
-    print(f"ours: {seconds:.0f} s, {versions[-1]}", flush=True)
-    return versions[-1], seconds
+    if not versions:
+        sys.exit(f"our build wrote no version under {root / 'int4'}; see {out / 'ours_build.log'}")
+    version = versions[-1]
+    print(f"ours: {seconds:.0f} s, {version}", flush=True)
+    return version, seconds
 
 
 def export(checkpoint: Path, params: Path, out: Path, max_seq: int) -> tuple[Path, float]:
@@ -100,13 +107,9 @@ def export(checkpoint: Path, params: Path, out: Path, max_seq: int) -> tuple[Pat
            "quantization.group_size=32", f"export.max_seq_length={max_seq}", f"export.max_context_length={max_seq}",
            # an output name ending in .pte is taken as the path itself (export_llm ignores output_dir then)
            f"export.output_dir={out}", f"export.output_name={pte}"]
-    print("export:", " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    with (out / "export.log").open("w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0 or not pte.exists():
-        sys.exit(f"export_llm failed (exit {proc.returncode}); see {out / 'export.log'}")
+    seconds = timed_run(cmd, out / "export.log", "export_llm")
+    if not pte.exists():
+        sys.exit(f"export_llm wrote no {pte}; see {out / 'export.log'}")
     print(f"export_llm: {seconds:.0f} s, {pte.stat().st_size / 1e6:.1f} MB", flush=True)
     return pte, seconds
 
