@@ -38,7 +38,8 @@ class Tuning:
     # for its own kind (registers, warps); False: one launch for both (registers of the larger path)
     target_ctas: int = 264  # ~2 programs per SM of an H200 (132 SMs): the splits aim at this many
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
-    min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
+    min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows);
+    # 1024 over 2048: drafts 0.3-5% faster, 5 alternating rounds on the H200 (docs/benchmarks.md, seventh round)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
     merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
     merge_launch: bool = False  # True: split multi-token blocks are merged by a launch of their own (programs per
