@@ -60,6 +60,27 @@ def test_validate_alone_passes(staged):
     assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
 
 
+def test_oracle_over_each_sequence_equals_the_step_by_step_oracle(staged):
+    """validate's oracle for a causal artifact (one forward per sequence once the episode is done)
+    gives each step's error as the step-by-step oracle over the sequence's own cache does."""
+    from pipeline.runtime.session import Session
+
+    cfg, model = staged["cfg"], staged["export"]["model"]
+    runs = {}
+    for stepwise in (True, False):
+        session = Session(staged["work"])
+        scripts = validate.plan(cfg.validate, session.max_seqs, model.args.vocab_size)
+        validate.run_episode(session, model, scripts, causal=True, stepwise=stepwise)
+        runs[stepwise] = scripts
+    steps = 0
+    for by_step, at_end in zip(runs[True], runs[False], strict=True):
+        assert len(at_end.errors) == len(by_step.errors) == len(at_end.oracle_agree) > 0
+        assert at_end.oracle_agree == by_step.oracle_agree
+        assert max(abs(a - b) for a, b in zip(at_end.errors, by_step.errors, strict=True)) < 1e-6
+        steps += len(at_end.errors)
+    assert steps > 10 and max(e for s in runs[False] for e in s.errors) > 0  # errors measured, not zeros
+
+
 def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     """The program was compiled from the true weights; an oracle that disagrees must fail the build."""
     model = copy.deepcopy(staged["export"]["model"])

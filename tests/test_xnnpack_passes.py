@@ -90,3 +90,116 @@ def test_edge_dialect_checked_once_per_method(monkeypatch):
     monkeypatch.setattr(verifier, "_check_tensor_args_matching_op_allowed_dtype", refusing)
     with pytest.raises(verifier.SpecViolationError, match="refused"):
         lower()
+
+
+def _random_graph(rng, n_nodes: int):
+    """A random DAG of supported (add) and unsupported (mul) nodes, and disjoint random groups of
+    supported nodes that span wide ranges (as shared dynamic-quantization nodes make them)."""
+    import operator
+
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(f"x{i}") for i in range(3)]
+    for _ in range(n_nodes):
+        a, b = rng.choice(nodes, 2)
+        nodes.append(graph.call_function(operator.add if rng.random() < 0.7 else operator.mul, (a, b)))
+    graph.output(tuple(n for n in nodes[3:] if not n.users))
+    supported = [n for n in nodes if n.target is operator.add]
+    rng.shuffle(supported)
+    groups, at = [], 0
+    while at < len(supported) // 2:
+        size = int(rng.integers(2, 5))
+        groups.append(supported[at:at + size])
+        at += size
+    return torch.fx.GraphModule(torch.nn.Module(), graph), groups
+
+
+class _AddsOnly(torch.fx.passes.operator_support.OperatorSupportBase):
+    def is_node_supported(self, submodules, node) -> bool:
+        import operator
+
+        return node.op == "call_function" and node.target is operator.add
+
+
+def _proposed(gm, groups) -> list:
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+
+    parts = GroupBasedPartitioner(gm, _AddsOnly(), node_groups=groups, allows_single_node_partition=True).propose_partitions()
+    return sorted(sorted(n.name for n in p.nodes) for p in parts)
+
+
+def test_group_merge_check_gives_executorchs_partitions():
+    """``merge_check_by_set_ops`` (pipeline/passes/group_merge.py) answers every pair of candidate
+    partitions as ExecuTorch's check does, so the partitions proposed are the same, on random graphs
+    whose groups interleave (merges that would make cycles among them)."""
+    import numpy as np
+    from executorch.exir.backend.canonical_partitioners.group_partitioner import GroupBasedPartitioner
+
+    from pipeline.passes.group_merge import can_merge_partitions, merge_check_by_set_ops
+
+    rng = np.random.default_rng(0)
+    refused = 0
+    for trial in range(30):
+        gm, groups = _random_graph(rng, int(rng.integers(20, 60)))
+        theirs = _proposed(gm, groups)
+        with merge_check_by_set_ops():
+            assert GroupBasedPartitioner._can_merge_partitions is can_merge_partitions
+            ours = _proposed(gm, groups)
+        assert ours == theirs, f"trial {trial}"
+        # pair by pair, on the candidates before any merge
+        p = GroupBasedPartitioner(gm, _AddsOnly(), node_groups=groups, allows_single_node_partition=True)
+        import collections
+        import itertools
+
+        by_id, args = {}, ({}, {}, {}, {}, collections.defaultdict(set))
+        p._process_all_nodes(itertools.count(), by_id, *args)
+        for a, b in itertools.combinations(list(by_id), 2):
+            want = p._can_merge_partitions(a, b, by_id)
+            assert can_merge_partitions(p, a, b, by_id) == want
+            refused += not want
+    assert GroupBasedPartitioner._can_merge_partitions is not can_merge_partitions  # restored
+    assert refused > 100  # the graphs do exercise the refusal
+
+
+def _names(nodes) -> list:
+    return [n.name for n in nodes]
+
+
+def test_legalize_in_place_gives_legalize_graphs_graph():
+    """``legalize_in_place`` (pipeline/passes/edge.py) leaves the graph as torch.fx's
+    ``legalize_graph`` copies it: the same order, the same inputs and users in the same order, the
+    same lookup table, and the next node created gets the same name. The graphs hold prioritized ops
+    (operator.add, mul) and others (relu), so the sort's queue order is exercised, and names erased
+    before the sort, which a copy forgets."""
+    import copy
+
+    import numpy as np
+    from torch.fx.passes.tools_common import legalize_graph
+
+    from pipeline.passes.edge import legalize_in_place
+
+    rng = np.random.default_rng(1)
+    reordered = 0
+    for trial in range(20):
+        gm, _ = _random_graph(rng, int(rng.integers(20, 80)))
+        for node in list(gm.graph.nodes):  # some unprioritized nodes, and some erased, as partitions leave them
+            if node.op == "call_function" and rng.random() < 0.2:
+                with gm.graph.inserting_after(node):
+                    relu = gm.graph.call_function(torch.relu, (node,))
+                node.replace_all_uses_with(relu, delete_user_cb=lambda u, r=relu: u is not r)
+        copies = copy.deepcopy(gm), copy.deepcopy(gm)  # (a deep copy's namespace is new)
+        for g in (c.graph for c in copies):  # a name used, then erased (as fused nodes are)
+            with g.inserting_after(next(iter(g.nodes))):
+                g.erase_node(g.call_function(torch.relu, (next(iter(g.nodes)),)))
+        theirs, ours = legalize_graph(copies[0]), legalize_in_place(copies[1])
+        t, o = list(theirs.graph.nodes), list(ours.graph.nodes)
+        assert _names(o) == _names(t), f"trial {trial}"
+        reordered += _names(o) != _names(gm.graph.nodes)
+        for a, b in zip(o, t, strict=True):
+            assert _names(a.all_input_nodes) == _names(b.all_input_nodes)
+            assert _names(a.users) == _names(b.users)
+        ours.graph.lint()
+        found = [_names(g.find_nodes(op="call_function", target=torch.relu, sort=False)) for g in (ours.graph, theirs.graph)]
+        assert found[0] == found[1]
+        new = [g.call_function(torch.relu, (next(iter(g.nodes)),)).name for g in (ours.graph, theirs.graph)]
+        assert new[0] == new[1]
+    assert reordered > 10  # the sort is not the identity on these graphs

@@ -24,18 +24,91 @@ The helpers are ExecuTorch's private ones (``executorch.exir.program._program``,
 as pinned in pyproject.toml): a version that changes them fails here, at compile, not in the artifact.
 """
 
+import collections
 import contextlib
 import dataclasses
+
+
+def _prioritized_ops() -> frozenset:
+    """The ops torch.fx's ``legalize_graph`` queues first (the runtime assertions and their symbolic
+    arithmetic: its PRIORITIZED_OPS; tests/test_xnnpack_passes.py compares the orders)."""
+    import operator
+
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset({
+        operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod,
+        operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne,
+        aten.sym_constrain_range.default, aten.sym_constrain_range_for_size.default, aten._assert_async.msg,
+        aten.scalar_tensor.default, aten._assert_scalar.default,
+    })
+
+
+def legalized_order(graph) -> list:
+    """The node order of torch.fx's ``legalize_graph`` (``torch.fx.passes.tools_common``): Kahn's sort,
+    the nodes without inputs in graph order first, a node whose inputs are done queued at the back
+    (at the front for the prioritized ops)."""
+    prioritized = _prioritized_ops()
+    nodes = list(graph.nodes)
+    pending = dict.fromkeys(nodes, 0)
+    for node in nodes:
+        for user in node.users:
+            pending[user] += 1
+    queue = collections.deque(node for node in nodes if pending[node] == 0)
+    order = []
+    while queue:
+        node = queue.popleft()
+        order.append(node)
+        for user in node.users:
+            pending[user] -= 1
+            if pending[user] == 0:
+                if user.op == "call_function" and user.target in prioritized:
+                    queue.appendleft(user)
+                else:
+                    queue.append(user)
+    if len(order) < len(nodes):
+        raise RuntimeError(f"Input graph has cycles, unable to add {[n for n, k in pending.items() if k]}")
+    return order
+
+
+def legalize_in_place(gm):
+    """torch.fx's ``legalize_graph(gm)`` without copying the graph: the same order, names, users'
+    order and lookup table as its copy, on the graph's own nodes (``legalize_graph`` copies every
+    node of the method once per partition: 242 partitions x ~3000 nodes in the SmolLM2 int4 compile).
+    The nodes keep their meta dicts (the copy's are shallow copies; ExecuTorch finds the nodes it
+    needs afterwards in the sorted graph, so nothing holds the old ones). The module's code is not
+    regenerated (``code_regenerated_once`` does that)."""
+    from torch.fx.graph import _FindNodesLookupTable, _Namespace
+
+    graph = gm.graph
+    order = legalized_order(graph)
+    position = {node: i for i, node in enumerate(order)}
+    names, lookup = _Namespace(), _FindNodesLookupTable()
+    for node in order:  # as the copy creates them: at the end, in order
+        graph._root.prepend(node)
+        name = names.create_name(node.name, None)  # the graph's namespace gave it: unchanged but for
+        if name != node.name:  # a name set by hand that a copy would change
+            node.name = name
+        names.associate_name_with_obj(name, node)
+        lookup.insert(node)
+        if len(node.users) > 1:  # a copy's users are in creation order
+            users = sorted(node.users, key=position.__getitem__)
+            node.users.clear()
+            node.users.update(dict.fromkeys(users))
+    graph._graph_namespace, graph._find_nodes_lookup_table = names, lookup
+    return gm
 
 
 @contextlib.contextmanager
 def code_regenerated_once():
     """ExecuTorch's ``to_backend`` fuses each partition into a submodule and then topologically sorts
-    the whole owning graph again (``legalize_graph``), which assigns the sorted graph to the module,
-    and that regenerates the module's Python code: the whole method's code once per partition (about
-    a quarter of the SmolLM2 int4 compile, 242 partitions). Here every sort runs as ExecuTorch runs it
-    (the same graphs, in the same order); only the code of the modules sorted is regenerated once,
-    after the last partition of the call, before anything runs them."""
+    the whole owning graph again (``legalize_graph``): a copy of every node of the method, assigned to
+    the module, which regenerates the module's Python code. With 242 partitions (SmolLM2 int4) the
+    code regeneration was about a quarter of the compile and the copies about a tenth. Here every sort
+    runs in ExecuTorch's order and gives its order (``legalize_in_place``: the graph's own nodes
+    moved, nothing copied); the code of the modules sorted is regenerated once, after the last
+    partition of the call, before anything runs them."""
     from executorch.exir import lowered_backend_module
     from executorch.exir.backend import backend_api
 
@@ -43,12 +116,8 @@ def code_regenerated_once():
     stale = {}
 
     def legalize_code_later(gm):
-        gm.recompile = lambda: None  # the GraphModule.graph setter's call
-        try:
-            return legalize(gm)
-        finally:
-            del gm.recompile
-            stale[id(gm)] = gm
+        stale[id(gm)] = gm
+        return legalize_in_place(gm)
 
     def create_then_regenerate(*args, **kwargs):
         try:

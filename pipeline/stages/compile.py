@@ -14,6 +14,7 @@ from pathlib import Path
 from pipeline.backends import backend as get_backend
 from pipeline.kv.manifest import constant_methods, manifest
 from pipeline.passes import edge as one_retrace_lowering
+from pipeline.passes.group_merge import merge_check_by_set_ops
 
 
 def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
@@ -30,7 +31,7 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
         partitioners = {name: partitioners for name in lowered}
     config = EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check)
     print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(lowered)}", flush=True)
-    with backend.lowering():
+    with backend.lowering(), merge_check_by_set_ops():  # the group partitioner's pair check in C (same partitions)
         if backend.one_retrace and one_retrace_lowering.one_retrace(partitioners):  # one retrace per method
             edge = one_retrace_lowering.to_edge_transform_and_lower(backend, lowered, partitioners,
                                                                     constant_methods(sections), config)

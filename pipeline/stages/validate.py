@@ -65,6 +65,11 @@ class _Script:
     float_errors: list[float] = field(default_factory=list)
     float_agree: list[bool] = field(default_factory=list)
     oracle_agree: list[bool] = field(default_factory=list)
+    # a causal artifact without a draft: every token fed, and each step's last row and logits, for the
+    # oracles' one forward over the sequence after the episode (``_oracles_over_sequences``)
+    fed_tokens: list[int] = field(default_factory=list)
+    step_rows: list[int] = field(default_factory=list)
+    step_logits: list[torch.Tensor] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)  # the greedy tokens, the last one not fed
     text: str | None = None  # the prompt as text (artifacts with a tokenizer)
 
@@ -134,6 +139,35 @@ def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple, pl
         return model.logits(hidden)
 
 
+def _oracle_rows(model, s: _Script, placeholder: int | None) -> torch.Tensor:
+    """The eager target's logits at the rows ``s.step_rows`` of one forward over every token ``s`` was
+    fed, from position 0, over a cache of its own (the image's eager features in its placeholders)."""
+    toks = torch.tensor(s.fed_tokens)
+    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True)), torch.no_grad():
+        emb = model.embed(toks)
+        if s.image_features is not None and len(s.image_features):
+            rows = (toks == placeholder).nonzero().flatten()[: len(s.image_features)]
+            emb = emb.clone()
+            emb[0, rows] = s.image_features[: len(rows)]
+        hidden, _ = model.hidden_and_taps(emb, torch.arange(len(toks)), ())
+        return model.logits(hidden[s.step_rows])
+
+
+def _oracles_over_sequences(model, scripts: list[_Script], metric: str, placeholder: int | None, unquantized=None) -> None:
+    """Each step's error against the oracle (and the unquantized model): with causal attention a
+    step's logits depend only on the tokens before it, so one forward per sequence over everything it
+    was fed gives every step's oracle logits; the masks are those of the step-by-step cache (positions,
+    causality, windows), and the weights are read once per sequence instead of once per step."""
+    for s in scripts:
+        got = torch.stack(s.step_logits)
+        for oracle, errors, agree in ((model, s.errors, s.oracle_agree), (unquantized, s.float_errors, s.float_agree)):
+            if oracle is not None:
+                want = _oracle_rows(oracle, s, placeholder)
+                errors += [relative_error(g, w, metric) for g, w in zip(got, want, strict=True)]
+                agree += (got.argmax(-1) == want.argmax(-1)).tolist()
+        s.step_logits = []
+
+
 def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> None:
     """Check each sequence's round against the eager models: the draft's logits from the eager target's
     features, the target's logits on the verified block; both caches rolled back as the session's."""
@@ -164,12 +198,17 @@ def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> 
 
 
 def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range",
-                draft=None, vision=None, unquantized=None) -> dict:
+                draft=None, vision=None, unquantized=None, stepwise: bool = False) -> dict:
     """The continuous-batching episode; with ``draft``, sequences past their prompt decode by
     speculative rounds (``Session.speculate``) while others prefill; with ``vision``, image sequences
     have their image encoded once they join; with ``unquantized`` (a quantized artifact), each step is
-    also measured against that eager model on the same tokens."""
+    also measured against that eager model on the same tokens. The oracles see each sequence alone:
+    step by step over its own cache (non-causal, or with a draft), or once it is done, one forward over
+    every token it was fed (``_oracles_over_sequences``; ``stepwise=True``: step by step anyway)."""
     placeholder = session.vision["image_token_id"] if session.vision else None
+    # causal without a draft: the oracles run after the episode, one forward per sequence; otherwise
+    # (a non-causal chunk sees itself whole; a draft needs the target's features each round) step by step
+    stepwise = stepwise or draft is not None or not causal
     waiting, live = list(scripts), []
     stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
     if draft is not None:
@@ -182,8 +221,9 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             progress.update(sum(s.fed + min(s.decoded, s.decode_steps) for s in scripts) - progress.done)
             while waiting and len(live) < session.max_seqs:
                 script = waiting.pop(0)
-                script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
-                if unquantized is not None:
+                if stepwise:
+                    script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
+                if stepwise and unquantized is not None:
                     script.float_cache = ReferenceCache(model.args.layer_kv(), causal=causal)
                 if draft is not None:
                     script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
@@ -221,13 +261,18 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
             for seq_id, toks in feeds.items():
                 s = by_id[seq_id]
                 got = logits[seq_id]
-                if unquantized is not None:  # first: the quantized oracle's call takes the image rows
+                if not stepwise:
+                    s.fed_tokens += toks
+                    s.step_rows.append(len(s.fed_tokens) - 1)
+                    s.step_logits.append(got.detach().reshape(-1).clone())
+                elif unquantized is not None:  # first: the quantized oracle's call takes the image rows
                     ref = _oracle_step(unquantized, s, toks, s.fed + s.decoded, (), placeholder, s.float_cache)[-1]
                     s.float_errors.append(relative_error(got, ref, metric))
                     s.float_agree.append(int(got.argmax()) == int(ref.argmax()))
-                want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
-                s.errors.append(relative_error(got, want, metric))
-                s.oracle_agree.append(int(got.argmax()) == int(want.argmax()))
+                if stepwise:
+                    want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
+                    s.errors.append(relative_error(got, want, metric))
+                    s.oracle_agree.append(int(got.argmax()) == int(want.argmax()))
                 if s.fed < len(s.prompt):
                     s.fed += len(toks)
                 else:
@@ -237,6 +282,8 @@ def run_episode(session: Session, model, scripts: list[_Script], causal: bool, m
                     s.generated.append(s.next_token)
             _finish(session, live)
         progress.update(total - progress.done)
+    if not stepwise:
+        _oracles_over_sequences(model, scripts, metric, placeholder, unquantized)
     return stats
 
 
