@@ -19,7 +19,8 @@ Measured on the default build's compile (2 cores, same machine): ExecuTorch's pa
 finds (it runs after the core ATen decompositions instead of before them). Partitioners this module does not handle
 (``one_retrace``) take ExecuTorch's path.
 
-``code_regenerated_once`` defers the code regeneration of ExecuTorch's per-partition graph sort.
+``code_regenerated_once`` runs ExecuTorch's per-partition graph sort in place (``legalize_in_place``,
+torch.fx's order without its copy of the graph) and defers the code regeneration to the end.
 The helpers are ExecuTorch's private ones (``executorch.exir.program._program``, executorch 1.5.1
 as pinned in pyproject.toml): a version that changes them fails here, at compile, not in the artifact.
 """
@@ -27,8 +28,10 @@ as pinned in pyproject.toml): a version that changes them fails here, at compile
 import collections
 import contextlib
 import dataclasses
+import functools
 
 
+@functools.cache
 def _prioritized_ops() -> frozenset:
     """The ops torch.fx's ``legalize_graph`` queues first (the runtime assertions and their symbolic
     arithmetic: its PRIORITIZED_OPS; tests/test_xnnpack_passes.py compares the orders)."""

@@ -158,6 +158,7 @@ def _oracles_over_sequences(model, scripts: list[_Script], metric: str, placehol
     step's logits depend only on the tokens before it, so one forward per sequence over everything it
     was fed gives every step's oracle logits; the masks are those of the step-by-step cache (positions,
     causality, windows), and the weights are read once per sequence instead of once per step."""
+    print(f"  oracles: one forward over each of the {len(scripts)} sequences", flush=True)
     for s in scripts:
         got = torch.stack(s.step_logits)
         for oracle, errors, agree in ((model, s.errors, s.oracle_agree), (unquantized, s.float_errors, s.float_agree)):
