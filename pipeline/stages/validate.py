@@ -8,6 +8,9 @@ lengths, chunked prefill sharing steps with decodes, greedy decoding, one
 sequence finishing and a new one taking its column (or cells), ring layers
 wrapping.
 
+The episode and the oracles are ``pipeline.episode``; this stage builds the oracles' models, runs
+the episode through the backend's session and writes the report.
+
 needs: model, lowered, program    gives: validation (written to validation.json)
 
 What runs the program is the backend's (``Backend.session``): ExecuTorch's runtime on CPU, the
@@ -17,282 +20,18 @@ same lowered graphs through Inductor on a GPU.
 import copy
 import functools
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pipeline.backends import backend
+from pipeline.episode import Script, add_images, plan, run_episode
 from pipeline.errors import BuildError
-from pipeline.feasibility import episode_sequences
-from pipeline.kv.op import ReferenceCache, reference_cache
-from pipeline.progress import Progress
 from pipeline.runtime.session import Session
 
 
 class ValidationFailed(BuildError):
     pass
-
-
-@dataclass
-class _Script:
-    seq_id: str
-    prompt: list[int]
-    decode_steps: int
-    fed: int = 0
-    decoded: int = 0
-    next_token: int | None = None
-    cache: ReferenceCache | None = None
-    errors: list[float] = field(default_factory=list)
-    # speculative decoding (an artifact with a draft): the eager draft's cache, the eager target's
-    # tapped features not yet given to it, the draft's logit errors, proposals that differed, and the
-    # tokens each round gave
-    draft_cache: ReferenceCache | None = None
-    features: torch.Tensor | None = None
-    draft_errors: list[float] = field(default_factory=list)
-    proposal_mismatches: int = 0
-    acceptance: list[int] = field(default_factory=list)
-    # an image sequence (an artifact with a vision encoder): the image, the eager encoder's features
-    # not yet spliced, the .pte's features against them
-    image: object = None
-    image_features: torch.Tensor | None = None
-    image_embedding: torch.Tensor | None = None  # the prompt's eager embeddings, the image spliced in
-    vision_error: float | None = None
-    # a quantized artifact: the unquantized eager model on the same tokens (its own cache), each step's
-    # logit error against it and whether the greedy tokens agree; and whether the .pte's greedy token
-    # equals the quantized oracle's
-    float_cache: ReferenceCache | None = None
-    float_errors: list[float] = field(default_factory=list)
-    float_agree: list[bool] = field(default_factory=list)
-    oracle_agree: list[bool] = field(default_factory=list)
-    # a causal artifact without a draft: every token fed, and each step's last row and logits, for the
-    # oracles' one forward over the sequence after the episode (``_oracles_over_sequences``)
-    fed_tokens: list[int] = field(default_factory=list)
-    step_rows: list[int] = field(default_factory=list)
-    step_logits: list[torch.Tensor] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)  # the greedy tokens, the last one not fed
-    text: str | None = None  # the prompt as text (artifacts with a tokenizer)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor, metric: str = "range") -> float:
-    """range: max |got - want| over the oracle's logit range; norm: ||got - want|| / ||want||."""
-    got, want = got.float(), want.float()
-    if metric == "norm":
-        return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want).clamp_min(1e-12))
-    return float((got - want).abs().max() / (want.max() - want.min()).clamp_min(1e-12))
-
-
-def plan(validate_cfg, max_seqs: int, vocab: int) -> list[_Script]:
-    """The episode's sequences (``feasibility.episode_sequences``) with random prompts."""
-    gen = torch.Generator().manual_seed(validate_cfg.seed)
-    return [_Script(f"seq{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), decode_steps)
-            for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
-
-
-def add_images(scripts: list[_Script], vision: dict, vocab_size: int, seed: int) -> None:
-    """Every other sequence (seq1, seq3, ...) gets a random image: its placeholder tokens go in after the
-    prompt's first token, and no other token of the prompt is the placeholder."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    placeholder, size = vision["image_token_id"], vision["image_size"]
-    for s in scripts[1::2]:
-        s.image = rng.integers(0, 256, (size, size, vision["num_channels"]), dtype=np.uint8)
-        text = [t if t != placeholder else (t + 1) % vocab_size for t in s.prompt]
-        s.prompt = text[:1] + [placeholder] * vision["n_image_tokens"] + text[1:]
-
-
-def _encode_image(session: Session, model, vision_model, s: _Script, metric: str) -> None:
-    """The image through the .pte's vision_encoder (the session keeps its features) and the eager one."""
-    from pipeline.runtime.images import encoder_input, pixels
-
-    got = session.add_image(s.seq_id, s.image)
-    px = pixels(session.image_processor, s.image, session.vision["image_size"])
-    with torch.no_grad():
-        want = vision_model(encoder_input(session.vision, px).float())[0]
-    s.image_features = want
-    s.vision_error = relative_error(got, want, metric)
-    placeholder = session.vision["image_token_id"]
-    with torch.no_grad():
-        s.image_embedding = model.embed(torch.tensor(s.prompt)).clone()
-    rows = [i for i, t in enumerate(s.prompt) if t == placeholder][: len(want)]
-    s.image_embedding[0, rows] = want[: len(rows)]
-
-
-def _oracle_step(model, s: _Script, toks: list[int], start: int, taps: tuple, placeholder: int | None = None,
-                 cache: ReferenceCache | None = None) -> torch.Tensor:
-    """The eager target on ``toks`` at ``start`` over the sequence's own cache (or ``cache``: then the
-    image features are spliced but left for the next call): logits of every token (and, with a draft,
-    its tapped features appended to the script's). An image sequence's eager features replace its
-    placeholder tokens' embeddings."""
-    with reference_cache(cache or s.cache), torch.no_grad():
-        emb = model.embed(torch.tensor(toks))
-        if s.image_features is not None and len(s.image_features):
-            rows = [i for i, t in enumerate(toks) if t == placeholder][: len(s.image_features)]
-            emb = emb.clone()
-            emb[0, rows] = s.image_features[: len(rows)]
-            if cache is None:
-                s.image_features = s.image_features[len(rows):]
-        hidden, features = model.hidden_and_taps(emb, torch.arange(start, start + len(toks)), taps)
-        if taps:
-            s.features = features if s.features is None else torch.cat([s.features, features])
-        return model.logits(hidden)
-
-
-def _oracle_rows(model, s: _Script, placeholder: int | None) -> torch.Tensor:
-    """The eager target's logits at the rows ``s.step_rows`` of one forward over every token ``s`` was
-    fed, from position 0, over a cache of its own (the image's eager features in its placeholders)."""
-    toks = torch.tensor(s.fed_tokens)
-    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True)), torch.no_grad():
-        emb = model.embed(toks)
-        if s.image_features is not None and len(s.image_features):
-            rows = (toks == placeholder).nonzero().flatten()[: len(s.image_features)]
-            emb = emb.clone()
-            emb[0, rows] = s.image_features[: len(rows)]
-        hidden, _ = model.hidden_and_taps(emb, torch.arange(len(toks)), ())
-        return model.logits(hidden[s.step_rows])
-
-
-def _oracles_over_sequences(model, scripts: list[_Script], metric: str, placeholder: int | None, unquantized=None) -> None:
-    """Each step's error against the oracle (and the unquantized model): with causal attention a
-    step's logits depend only on the tokens before it, so one forward per sequence over everything it
-    was fed gives every step's oracle logits; the masks are those of the step-by-step cache (positions,
-    causality, windows), and the weights are read once per sequence instead of once per step."""
-    print(f"  oracles: one forward over each of the {len(scripts)} sequences", flush=True)
-    for s in scripts:
-        got = torch.stack(s.step_logits)
-        for oracle, errors, agree in ((model, s.errors, s.oracle_agree), (unquantized, s.float_errors, s.float_agree)):
-            if oracle is not None:
-                want = _oracle_rows(oracle, s, placeholder)
-                errors += [relative_error(g, w, metric) for g, w in zip(got, want, strict=True)]
-                agree += (got.argmax(-1) == want.argmax(-1)).tolist()
-        s.step_logits = []
-
-
-def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> None:
-    """Check each sequence's round against the eager models: the draft's logits from the eager target's
-    features, the target's logits on the verified block; both caches rolled back as the session's."""
-    taps = tuple(draft.args.target_layer_ids)
-    for seq_id, r in rounds.items():
-        s = by_id[seq_id]
-        start = len(s.prompt) + s.decoded  # the position of the fed token
-        block = [s.next_token, *r.proposals]
-        if r.proposals:  # the draft's block: the fed token, then mask tokens
-            masked = [s.next_token] + [draft.args.mask_token_id] * len(r.proposals)
-            with reference_cache(s.draft_cache), torch.no_grad():
-                ctx = torch.arange(start - s.features.shape[0], start)
-                h = draft(s.features[None], model.embed(torch.tensor(masked)), ctx, torch.arange(start, start + len(block)))
-                want = model.logits(h[0, 1:])
-            s.draft_cache.truncate(start)  # the block was scratch
-            s.features = s.features[:0]
-            s.draft_errors.append(relative_error(r.draft_logits, want, metric))
-            s.proposal_mismatches += want.argmax(-1).tolist() != r.draft_logits.argmax(-1).tolist()
-        want = _oracle_step(model, s, block, start, taps)
-        s.errors.append(relative_error(r.logits, want, metric))
-        kept = len(r.tokens)  # the fed token and the accepted proposals stay
-        s.cache.truncate(start + kept)
-        s.features = s.features[: s.features.shape[0] - (len(block) - kept)]  # the rejected rows' features
-        s.acceptance.append(kept)
-        s.generated += r.tokens
-        s.decoded += kept
-        s.next_token = r.tokens[-1]
-
-
-def run_episode(session: Session, model, scripts: list[_Script], causal: bool, metric: str = "range",
-                draft=None, vision=None, unquantized=None, stepwise: bool = False) -> dict:
-    """The continuous-batching episode; with ``draft``, sequences past their prompt decode by
-    speculative rounds (``Session.speculate``) while others prefill; with ``vision``, image sequences
-    have their image encoded once they join; with ``unquantized`` (a quantized artifact), each step is
-    also measured against that eager model on the same tokens. The oracles see each sequence alone:
-    step by step over its own cache (non-causal, or with a draft), or once it is done, one forward over
-    every token it was fed (``_oracles_over_sequences``; ``stepwise=True``: step by step anyway)."""
-    placeholder = session.vision["image_token_id"] if session.vision else None
-    # causal without a draft: the oracles run after the episode, one forward per sequence; otherwise
-    # (a non-causal chunk sees itself whole; a draft needs the target's features each round) step by step
-    stepwise = stepwise or draft is not None or not causal
-    waiting, live = list(scripts), []
-    stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
-    if draft is not None:
-        stats["speculative_rounds"] = 0
-    taps = tuple(draft.args.target_layer_ids) if draft is not None else ()
-    budget = session.max_step_tokens
-    total = sum(len(s.prompt) + s.decode_steps for s in scripts)
-    with Progress(total, "episode", "tokens") as progress:
-        while waiting or live:
-            progress.update(sum(s.fed + min(s.decoded, s.decode_steps) for s in scripts) - progress.done)
-            while waiting and len(live) < session.max_seqs:
-                script = waiting.pop(0)
-                if stepwise:
-                    script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
-                if stepwise and unquantized is not None:
-                    script.float_cache = ReferenceCache(model.args.layer_kv(), causal=causal)
-                if draft is not None:
-                    script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
-                session.add(script.seq_id)
-                if script.image is not None:
-                    _encode_image(session, model, vision, script, metric)
-                live.append(script)
-            stats["max_live"] = max(stats["max_live"], len(live))
-            by_id = {s.seq_id: s for s in live}
-            feeds, room = {}, budget
-            decoding = [s for s in live if s.fed == len(s.prompt)]
-            if draft is not None and decoding:  # every decoding sequence speculates, in one round
-                rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
-                _speculative_round(model, draft, rounds, by_id, metric)
-                stats["speculative_rounds"] += 1
-                stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
-                _finish(session, live)
-                decoding = []
-                if not any(s.fed < len(s.prompt) for s in live):
-                    continue
-            for s in decoding:  # decodes first, one token each
-                feeds[s.seq_id] = [s.next_token]
-                room -= 1
-            prefilling = 0
-            for s in live:  # then prefill chunks fill the rest of the step
-                if s.fed < len(s.prompt) and room > 0:
-                    feeds[s.seq_id] = s.prompt[s.fed: s.fed + room]
-                    room -= len(feeds[s.seq_id])
-                    prefilling += 1
-            logits = session.step(feeds)
-            stats["steps"] += 1
-            stats["mixed_steps"] += bool(decoding) and prefilling > 0
-            stats["decode_steps"] += not prefilling
-            stats["tokens"] += sum(len(t) for t in feeds.values())
-            for seq_id, toks in feeds.items():
-                s = by_id[seq_id]
-                got = logits[seq_id]
-                if not stepwise:
-                    s.fed_tokens += toks
-                    s.step_rows.append(len(s.fed_tokens) - 1)
-                    s.step_logits.append(got.detach().reshape(-1).clone())
-                elif unquantized is not None:  # first: the quantized oracle's call takes the image rows
-                    ref = _oracle_step(unquantized, s, toks, s.fed + s.decoded, (), placeholder, s.float_cache)[-1]
-                    s.float_errors.append(relative_error(got, ref, metric))
-                    s.float_agree.append(int(got.argmax()) == int(ref.argmax()))
-                if stepwise:
-                    want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
-                    s.errors.append(relative_error(got, want, metric))
-                    s.oracle_agree.append(int(got.argmax()) == int(want.argmax()))
-                if s.fed < len(s.prompt):
-                    s.fed += len(toks)
-                else:
-                    s.decoded += 1
-                s.next_token = int(logits[seq_id].argmax())
-                if s.fed == len(s.prompt):
-                    s.generated.append(s.next_token)
-            _finish(session, live)
-        progress.update(total - progress.done)
-    if not stepwise:
-        _oracles_over_sequences(model, scripts, metric, placeholder, unquantized)
-    return stats
-
-
-def _finish(session: Session, live: list[_Script]) -> None:
-    for s in list(live):
-        if s.fed == len(s.prompt) and s.decoded >= s.decode_steps:
-            session.release(s.seq_id)
-            live.remove(s)
 
 
 SECTIONS = ("vision", "model", "draft", "quant", "kv", "backend")  # what export_vision, export and lower_kv read
@@ -322,7 +61,7 @@ def graphs_recipe(sections: dict):
                                               for name in SECTIONS})
 
 
-def _text_prompts(scripts: list[_Script], prompts: list[str], session: Session) -> None:
+def _text_prompts(scripts: list[Script], prompts: list[str], session: Session) -> None:
     """The episode's prompts as text (``validate.prompts``, cycled), tokenized by the artifact's tokenizer."""
     for i, s in enumerate(scripts):
         s.text = prompts[i % len(prompts)]
@@ -424,7 +163,7 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
     return {"validation": report}
 
 
-def _speculative_report(model, scripts: list[_Script], tolerance: float) -> tuple[dict, list[str]]:
+def _speculative_report(model, scripts: list[Script], tolerance: float) -> tuple[dict, list[str]]:
     """Acceptance per sequence, the draft's logit error, and the output against plain greedy decoding
     of the eager target (a fresh cache per sequence)."""
     from pipeline.runtime.speculative import greedy_generate
