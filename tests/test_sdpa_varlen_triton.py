@@ -231,22 +231,37 @@ def test_long_prefill_blocks_and_window(window):
 
 
 @needs_kernels
-@pytest.mark.parametrize("later_first", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
-def test_key_tile_across_the_ring_wrap(later_first, causal):
+@pytest.mark.parametrize("gap", [0, 6])
+def test_key_tile_across_the_ring_wrap(causal, gap):
     """A key tile that holds the end of one segment and the start of the other (the ring's
-    wrap), inside the key range, under a window: its positions are not one run, so it is
-    masked even where the tile's first position says every row sees it.  Which segment
-    comes first in the key index follows seq_info's order in the interpreter."""
+    wrap), inside the key range, under a window.  The plan puts a column's segments in order of
+    position whatever seq_info's order: the same plan either way, the older segment first, so a
+    wrapped ring (gap 0) is one run of positions and its interior tiles run unmasked.  With a gap
+    in the positions the two are not one run, so that tile is masked even where its first
+    position says every row sees it."""
     g = torch.Generator().manual_seed(21)
     rows, hkv, hq, d = 64, 1, 2, 16
     k = torch.randn(rows, hkv, d, generator=g)
     v = torch.randn(rows, hkv, d, generator=g)
-    wrap_seg, head_seg = [0, 40, 24, 100], [0, 0, 36, 124]  # rows 40..63: positions 100..123; rows 0..35: 124..159
-    seq_info = torch.tensor([wrap_seg, head_seg] if later_first else [head_seg, wrap_seg], dtype=torch.int64)
-    q_pos = torch.arange(144, 160)
-    args = [torch.randn(16, hq, d, generator=g), k, v, q_pos, torch.zeros(16, dtype=torch.int64), seq_info]
-    check([a.to(DEVICE) for a in args], 1, causal, 50, tuning=K.Tuning(pre_block_n=16, target_ctas=1))
+    # rows 40..63: positions 100..123; rows 0..35: 124 + gap ..
+    wrap_seg, head_seg = [0, 40, 24, 100], [0, 0, 36, 124 + gap]
+    q_pos = torch.arange(144, 160) + gap
+    tuning = K.Tuning(pre_block_n=16, target_ctas=1)
+    plans = []
+    for order in ([wrap_seg, head_seg], [head_seg, wrap_seg]):
+        seq_info = torch.tensor(order, dtype=torch.int64)
+        args = [a.to(DEVICE) for a in (torch.randn(16, hq, d, generator=g), k, v, q_pos,
+                                        torch.zeros(16, dtype=torch.int64), seq_info)]
+        _, plan = K.sdpa_varlen_triton_impl(*args, 1, 0.25, causal, 50, return_plan=True, tuning=tuning)
+        plans.append(plan.cpu())
+        check(args, 1, causal, 50, tuning=tuning)
+    assert torch.equal(plans[0], plans[1])
+    blk = plans[0][K.HDR: K.HDR + K.NBF].tolist()
+    skip = max(0, 144 + gap - 50 + 1 - 100)  # keys of the older segment before the first query's window
+    assert (blk[int(K.F_ROW0)], blk[int(K.F_POS0)], blk[int(K.F_ROW1)], blk[int(K.F_POS1)]) == (
+        40 + skip, 100 + skip, 0, 124 + gap)
+    assert (blk[int(K.F_POS1)] == blk[int(K.F_POS0)] + blk[int(K.F_N0)]) == (gap == 0)  # one run of positions
 
 
 @needs_kernels

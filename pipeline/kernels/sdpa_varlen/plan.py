@@ -57,6 +57,9 @@ F_KSTART = tl.constexpr(14)  # item only: its keys [KSTART, KEND) of the block's
 F_KEND = tl.constexpr(15)
 
 
+_SEG_NONE = tl.constexpr(2**63 - 1)  # an empty slot 0 of the per-column segment table
+
+
 @triton.jit
 def _max(a, b):
     return tl.maximum(a, b)
@@ -97,11 +100,12 @@ def _plan_kernel(
     tickets = marks + W_MAX
     mlist = tickets + N_TICKETS
     recs = mlist + N_MLIST
-    # P0: clear the per-column segment table, the item marks and the merge tickets.
+    # P0: clear the per-column segment table (slot 0: none yet, the most; slot 1: none, -1), the item
+    # marks and the merge tickets.
     for base in range(0, columns, CH):
         c = base + offs
-        tl.store(col_seg + c * 2, tl.full([CH], -1, tl.int32), mask=c < columns)
-        tl.store(col_seg + c * 2 + 1, tl.full([CH], -1, tl.int32), mask=c < columns)
+        tl.store(col_seg + c * 2, tl.full([CH], _SEG_NONE, tl.int64), mask=c < columns)
+        tl.store(col_seg + c * 2 + 1, tl.full([CH], -1, tl.int64), mask=c < columns)
     for base in range(0, W_MAX, CH):
         w = base + offs
         tl.store(marks + w, tl.zeros([CH], tl.int32), mask=w < W_MAX)
@@ -109,10 +113,13 @@ def _plan_kernel(
         w = base + offs
         tl.store(tickets + w, tl.zeros([CH], tl.int32), mask=w < N_TICKETS)
     tl.debug_barrier()
-    # P1: block heads (first token, its position, the column); first segment of each column.
+    # P1, one pass over the tokens and the segments (their loads in flight together): block heads
+    # (first token, its position, the column); each column's two segments, ordered by first
+    # position (keys (position << 32 | segment): the least in slot 0, the greatest in slot 1, by
+    # atomic min / max; a column of one segment has it in both).
     nb = tl.full([], 0, tl.int32)
     run0 = tl.full([], -1, tl.int32)  # the latest run start seen (carried across chunks)
-    for base in range(0, T, CH):
+    for base in range(0, tl.maximum(T, S), CH):
         i = base + offs
         valid = i < T
         has_prev = valid & (i > 0)
@@ -120,6 +127,11 @@ def _plan_kernel(
         pcol = tl.load(q_cols + i - 1, mask=has_prev, other=-1)
         pos = tl.load(q_pos + i, mask=valid, other=0)
         ppos = tl.load(q_pos + i - 1, mask=has_prev, other=0)
+        s = base + offs
+        scol, ok = _live_segment(seq_info, s, S, columns)
+        key = tl.load(seq_info + s * 4 + 3, mask=ok, other=0) * (1 << 32) + s
+        tl.atomic_min(col_seg + scol * 2, key, mask=ok, sem="relaxed")
+        tl.atomic_max(col_seg + scol * 2 + 1, key, mask=ok, sem="relaxed")
         run_head = valid & ((i == 0) | (col != pcol) | (pos != ppos + 1))
         start = tl.maximum(tl.associative_scan(tl.where(run_head, i, -1), 0, _max), run0)  # of i's run
         head = run_head | (valid & ((i - start) % TOKB == 0))
@@ -132,17 +144,6 @@ def _plan_kernel(
         nb += tl.sum(hi, 0)
         run0 = tl.max(start, 0)
     nb = tl.minimum(nb, NB_MAX)
-    for base in range(0, S, CH):
-        s = base + offs
-        scol, ok = _live_segment(seq_info, s, S, columns)
-        tl.store(col_seg + scol * 2, s, mask=ok)
-    tl.debug_barrier()
-    # P2: second segment of each column (the one that did not win slot 0).
-    for base in range(0, S, CH):
-        s = base + offs
-        scol, ok = _live_segment(seq_info, s, S, columns)
-        first = tl.load(col_seg + scol * 2, mask=ok, other=-1, volatile=True)
-        tl.store(col_seg + scol * 2 + 1, s, mask=ok & (first != s))
     tl.debug_barrier()
     # P3: per block: tokens, visible key ranges of its segments, visible keys of the step.
     total = tl.full([], 0, tl.int64)
@@ -157,8 +158,10 @@ def _plan_kernel(
         pmin = tl.load(bp + F_QPOS, mask=bv, other=0, volatile=True)
         pmax = pmin + ntok - 1
         colok = bv & (col >= 0) & (col < columns)
-        s0 = tl.load(col_seg + col * 2, mask=colok, other=-1, volatile=True)
-        s1 = tl.load(col_seg + col * 2 + 1, mask=colok, other=-1, volatile=True)
+        key0 = tl.load(col_seg + col * 2, mask=colok, other=_SEG_NONE, volatile=True)
+        key1 = tl.load(col_seg + col * 2 + 1, mask=colok, other=-1, volatile=True)
+        s0 = tl.where(key0 == _SEG_NONE, -1, key0 & 0xFFFFFFFF).to(tl.int32)
+        s1 = tl.where((key1 < 0) | (key1 == key0), -1, key1 & 0xFFFFFFFF).to(tl.int32)
         big = 1 << 30
         if HAS_WINDOW:
             lo = pmin - window + 1
@@ -252,7 +255,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
     wrap = launch if launch is not None else (lambda fn: fn)
     tile = max(geo.bn_dec, geo.bn_pre, geo.bn_long if geo.long_launch else 0)  # items: whole tiles
     plan = torch.empty(geo.plan_len, dtype=torch.int32, device=q_pos.device)
-    col_seg = torch.empty(2 * columns, dtype=torch.int32, device=q_pos.device)
+    col_seg = torch.empty(2 * columns, dtype=torch.int64, device=q_pos.device)
     wrap(_plan_kernel)[(1,)](
         q_pos.contiguous(), q_cols.contiguous(), seq_info.contiguous(), plan, col_seg,
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
