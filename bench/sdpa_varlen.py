@@ -50,9 +50,23 @@ def _load_source(path, name, old, new):
 
 
 def load_module(path):
-    """Another version of the kernel module (one file), its ops registered under
-    ``kvcache_prev::`` (the names of ours are taken)."""
-    return _load_source(path, "sdpa_varlen_prev", '"kvcache::', '"kvcache_prev::')
+    """Another version of the kernel: one file (its ops registered under ``kvcache_prev::``, the
+    names of ours are taken), or a package directory of ``tuning.py``, ``plan.py``, ``merge.py`` and
+    ``attention.py`` (e.g. ``git archive REV pipeline/kernels/sdpa_varlen | tar -x -C old``; its
+    ``ops.py`` is not imported)."""
+    if not os.path.isdir(path):
+        return _load_source(path, "sdpa_varlen_prev", '"kvcache::', '"kvcache_prev::')
+    import importlib
+    import types
+    pkg = types.ModuleType("sdpa_varlen_prev")
+    pkg.__path__ = [os.path.abspath(path)]
+    sys.modules[pkg.__name__] = pkg
+    tuning = importlib.import_module("sdpa_varlen_prev.tuning")
+    pkg.plan_impl = importlib.import_module("sdpa_varlen_prev.plan").plan_impl
+    pkg.attend_impl = importlib.import_module("sdpa_varlen_prev.attention").attend_impl
+    pkg._geometry_of = lambda q, k, v, cols: tuning.geometry(q.shape[0], cols, q.shape[1], k.shape[1], q.shape[2],
+                                                             v.shape[-1], q.element_size(), tuning.DEFAULT)
+    return pkg
 
 
 def ours_calls(w, mod=None, tuning=None):
@@ -170,6 +184,8 @@ SWEEP = [
     ("decode pipeline", "dec", [dict(dec_stages=3), dict(dec_stages=4), dict(dec_stages=2)]),
     ("long blocks", "pre", [dict(long_block_m=128), dict(long_block_m=0), dict(long_block_m=128, long_stages=4),
                             dict(long_block_m=128, long_block_n=128, long_stages=2)]),
+    ("hopper", "all", [dict(tma_paths=0, ws_paths=0), dict(tma_paths=7), dict(tma_paths=6), dict(tma_paths=4),
+                       dict(tma_paths=4, ws_paths=4), dict(tma_paths=6, ws_paths=6), dict(ws_paths=4)]),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)]),
 ]

@@ -204,6 +204,35 @@ def test_mixed_step(hq, hkv, causal, window):
 
 
 @needs_kernels
+@pytest.mark.parametrize("causal", [True, False])
+def test_descriptor_loads_and_warp_specialized_loops(causal):
+    """Tuning.tma_paths / ws_paths on every path: the unmasked tiles inside one segment read
+    through tensor descriptors (the mixed step's wrapped rings give tiles inside segment 0,
+    inside segment 1 and across the two, which keep gathered loads), with the long path on."""
+    args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=11 + causal)
+    tuning = dataclasses.replace(SMALL["tuning"], pre_block_m=16, long_block_m=32, long_min_tokens=0,
+                                 tma_paths=7, ws_paths=7)
+    check(args, 5, causal, 0, expect_split=True, tuning=tuning)
+    # rings wrapped a few rows from their end: items wholly inside segment 1
+    wrapped = [dict(col=0, n_keys=62, start_row=60, first_pos=0, n_q=1),
+               dict(col=1, n_keys=62, start_row=61, first_pos=3, n_q=5),
+               dict(col=2, n_keys=63, start_row=59, first_pos=9, n_q=12)]
+    args = make_step(wrapped, columns=3, rows=64, hq=4, hkv=2, d=16, seed=13 + causal)
+    check(args, 3, causal, 0, expect_split=True, tuning=tuning)
+    with pytest.raises(ValueError, match="tma_paths=8"):
+        K.Tuning(tma_paths=8)
+
+
+def test_nonpositive_scale_refused():
+    """The kernel keeps its running maxima in scaled units (one multiply-add per score), which
+    needs scale > 0: anything else is refused before a launch."""
+    args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=6)
+    geo = K.geometry_of(args[0], args[1], args[2], 5)
+    with pytest.raises(ValueError, match=r"scale=-0.5: a positive number"):
+        K.attend_impl(args[0], args[1], args[2], torch.zeros(geo.plan_len, dtype=torch.int32), 5, -0.5, True, 0, geo)
+
+
+@needs_kernels
 def test_default_tuning_no_split():
     args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=3)
     check(args, 5, True, 0, expect_split=False)
@@ -367,7 +396,8 @@ def test_fuzz():
               tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
                                          plan_width=16 if trial in (0, 3, 4, 5) else 1024,
                                          pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128,
-                                         long_min_tokens=0, longest_first=trial != 4))
+                                         long_min_tokens=0, longest_first=trial != 4,
+                                         tma_paths=7 if trial in (3, 5) else 0))
 
 
 @needs_kernels

@@ -20,8 +20,8 @@ from .ops import geometry_of, sdpa_varlen_attend, sdpa_varlen_plan, sdpa_varlen_
 from .plan import (
     F_CHUNK,
     F_ITEM0,
-    F_NSPLIT,
     F_N0,
+    F_NSPLIT,
     F_NTOK,
     F_POS0,
     F_POS1,

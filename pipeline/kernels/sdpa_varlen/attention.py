@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from .merge import _merge_last, _merge_rows, _merge_split_blocks
 from .plan import (
@@ -60,22 +61,29 @@ _ONE_LEVEL = 1 << 30  # the merge group of Tuning.merge_group=0: every split blo
 
 @triton.jit
 def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos0, pos1, col, columns,
-              stride_kn, stride_vn, qpos, scale_log2, window,
+              stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
               BN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, STAGES: tl.constexpr, MASK: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              TMA: tl.constexpr = False, WS: tl.constexpr = False):
     """Online softmax over the key tiles starting at j0, j0 + BN, ... < j1 of the block's key
     index (segment 0's n0 keys, then segment 1's).  MASK: keys at or past kend and, per row,
-    those outside the causal / window bounds are masked; otherwise every key is visible."""
+    those outside the causal / window bounds are masked; otherwise every key is visible.
+    TMA (unmasked tiles of one segment only): tile j is rows rowbase + j of the column, loaded
+    through the tensor descriptors kdesc / vdesc.  WS: the loop warp-specialized.
+    m_i is in scaled units (scores x scale_log2, scale_log2 > 0), so a tile's exponent is one
+    fused multiply-add per score."""
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    for j in tl.range(j0, j1, BN, num_stages=STAGES):
+    for j in tl.range(j0, j1, BN, num_stages=STAGES, warp_specialize=WS):
         idx = j + offs_n
         in0 = idx < n0
         slot = tl.where(in0, row0 + idx, row1 + (idx - n0)).to(tl.int64) * columns + col
         if MASK:
             kv = idx < kend
             kt = tl.load(kbase + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None], other=0.0)
+        elif TMA:
+            kt = kdesc.load([rowbase + j, 0])
         else:
             kt = tl.load(kbase + slot[:, None] * stride_kn + offs_d[None, :])
         if UPCAST:
@@ -84,7 +92,6 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
             s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         else:
             s = tl.dot(qt, tl.trans(kt))
-        s = (s * scale_log2).to(tl.float32)  # AOTInductor passes float scalars as fp64
         if MASK:
             kpos = tl.where(in0, pos0 + idx, pos1 + (idx - n0))
             vis = kv[None, :]
@@ -93,13 +100,18 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
             if HAS_WINDOW:
                 vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
             s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        else:  # every key visible: the max is finite
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            m_use = m_new
+        p = tl.math.exp2(s * scale_log2 - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
             vt = tl.load(vbase + slot[:, None] * stride_vn + offs_dv[None, :], mask=kv[:, None], other=0.0)
+        elif TMA:
+            vt = vdesc.load([rowbase + j, 0])
         else:
             vt = tl.load(vbase + slot[:, None] * stride_vn + offs_dv[None, :])
         if UPCAST:
@@ -117,20 +129,48 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
 
 
 @triton.jit
+def _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, j0, j1, n0, row0, row1, pos0, pos1, col, columns,
+                       stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc,
+                       BN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, STAGES: tl.constexpr,
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    """The unmasked tiles [j0, j1): through the tensor descriptors where TMA and the range lies in
+    one segment (rows rowbase + key index), else by gathered rows (a range across the segments)."""
+    if TMA:
+        in1 = j0 >= n0
+        if (j1 <= n0) | in1:
+            rowbase = tl.where(in1, row1 - n0, row0)
+            acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
+                                      columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
+                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, True, WS)
+        else:
+            acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
+                                      columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, 0,
+                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False, WS)
+    else:
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
+                                  columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, 0,
+                                  BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False, WS)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend(
     q, k, v, out, part_o, part_ml, tickets,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit, pslot0, split,
+    h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit, pslot0, split,
     scale_log2, window,
     M: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BN: tl.constexpr, PM: tl.constexpr, STAGES: tl.constexpr, MULTI: tl.constexpr, SPL: tl.constexpr,
     MERGE_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MERGE: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """One item for KV head h: keys [kstart, kend) of the block's key index against an M-row
     query tile.  MULTI: several query tokens, whose causal / window bounds differ per row; a
     one-token block's key range is exactly its visible one (the plan trimmed it), so only
-    the keys past kend are masked."""
+    the keys past kend are masked.  TMA: the unmasked tiles of one segment are read through
+    tensor descriptors of this column and KV head's rows ([rows, D], row stride columns rows of
+    the store); WS: their loop is warp-specialized."""
     r = tl.arange(0, M)
     tok_in = r // G_PAD
     hg = r % G_PAD
@@ -149,6 +189,14 @@ def _attend(
     acc = tl.zeros([M, DV], tl.float32)
     kbase = k + h * stride_kh
     vbase = v + h * stride_vh
+    if TMA:
+        kdesc = tl.make_tensor_descriptor(kbase + col.to(tl.int64) * stride_kn, shape=[rows, D],
+                                          strides=[columns * stride_kn, 1], block_shape=[BN, D])
+        vdesc = tl.make_tensor_descriptor(vbase + col.to(tl.int64) * stride_vn, shape=[rows, DV],
+                                          strides=[columns * stride_vn, 1], block_shape=[BN, DV])
+    else:
+        kdesc = kbase
+        vdesc = vbase
     # tiles are kstart + t * BN; t < t_full are whole tiles inside the item
     n_tiles = (kend - kstart + BN - 1) // BN
     t_full = (kend - kstart) // BN
@@ -169,20 +217,20 @@ def _attend(
         t_mid = tl.maximum(t_lo, t_hi)
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart, kstart + t_lo * BN, kend, n0, row0, row1,
                                   pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
-                                  BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
-        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_lo * BN, kstart + t_mid * BN, kend, n0,
-                                  row0, row1, pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2,
-                                  window, BN, D, DV, STAGES, False, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+                                  kdesc, vdesc, 0, BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+        acc, m_i, l_i = _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, kstart + t_lo * BN, kstart + t_mid * BN,
+                                           n0, row0, row1, pos0, pos1, col, columns, stride_kn, stride_vn, qpos,
+                                           scale_log2, window, kdesc, vdesc, BN, D, DV, STAGES, IEEE, UPCAST, TMA, WS)
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_mid * BN, kend, kend, n0, row0, row1,
                                   pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
-                                  BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
+                                  kdesc, vdesc, 0, BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
     else:
-        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart, kstart + t_full * BN, kend, n0, row0, row1,
-                                  pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
-                                  BN, D, DV, STAGES, False, False, False, IEEE, UPCAST)
+        acc, m_i, l_i = _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, kstart, kstart + t_full * BN, n0, row0,
+                                           row1, pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2,
+                                           window, kdesc, vdesc, BN, D, DV, STAGES, IEEE, UPCAST, TMA, WS)
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_full * BN, kend, kend, n0, row0, row1,
                                   pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
-                                  BN, D, DV, STAGES, True, False, False, IEEE, UPCAST)
+                                  kdesc, vdesc, 0, BN, D, DV, STAGES, True, False, False, IEEE, UPCAST)
     if pslot0 < 0:  # the block's only item: normalise and write
         inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         op = out + tok.to(tl.int64)[:, None] * stride_ot + qhead[:, None] * stride_oh + offs_dv[None, :]
@@ -222,7 +270,7 @@ def _attend(
 def _sdpa_varlen_fwd(
     q, k, v, out, plan, part_o, part_ml,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-    columns, scale_log2, window, TICKETS_OFF, REC_OFF,
+    columns, rows, scale_log2, window, TICKETS_OFF, REC_OFF,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_M_LONG: tl.constexpr, TOKB_SHORT: tl.constexpr, PART_ROWS: tl.constexpr,
     M_DEC: tl.constexpr, BN_DEC: tl.constexpr, BN_PRE: tl.constexpr, BN_LONG: tl.constexpr,
@@ -230,12 +278,15 @@ def _sdpa_varlen_fwd(
     SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr, SPL_LONG: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NBF_: tl.constexpr, PATHS: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MULTI_MERGE: tl.constexpr,
-    REVERSE: tl.constexpr,
+    REVERSE: tl.constexpr, TMA_PATHS: tl.constexpr, WS_PATHS: tl.constexpr,
 ):
     """The items of the paths in PATHS (a bit mask): 1 decode blocks (one token), 2
     multi-token blocks of at most TOKB_SHORT tokens (BLOCK_M-row tiles), 4 long blocks (more
     tokens, BLOCK_M_LONG-row tiles); the launches of one call cover the three between them.
-    REVERSE: program p runs item n_items - 1 - p (the plan's last items first)."""
+    REVERSE: program p runs item n_items - 1 - p (the plan's last items first).  TMA_PATHS /
+    WS_PATHS: the paths (same bits) whose unmasked tiles go through tensor descriptors / a
+    warp-specialized loop."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # AOTInductor passes float scalars as fp64
     p = tl.program_id(0)
     h = tl.program_id(1)
     n_items = tl.load(plan + H_ITEMS)
@@ -267,30 +318,49 @@ def _sdpa_varlen_fwd(
             if PATHS & 1:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
                         stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-                        h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                        h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         M_DEC, G, G_PAD, D, DV, BN_DEC, PART_ROWS, DEC_STAGES, False, SPL_DEC, G_PAD,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True, (TMA_PATHS & 1) != 0,
+                        (WS_PATHS & 1) != 0)
         elif ntok <= TOKB_SHORT:
             if PATHS & 2:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
                         stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-                        h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                        h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M, G, G_PAD, D, DV, BN_PRE, PART_ROWS, PRE_STAGES, True, SPL_PRE, BLOCK_M,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE, (TMA_PATHS & 2) != 0,
+                        (WS_PATHS & 2) != 0)
         else:
             if PATHS & 4:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
                         stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
-                        h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
+                        h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M_LONG, G, G_PAD, D, DV, BN_LONG, PART_ROWS, LONG_STAGES, True, SPL_LONG, BLOCK_M_LONG,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE, (TMA_PATHS & 4) != 0,
+                        (WS_PATHS & 4) != 0)
 
 
 def interpreted() -> bool:
     return type(_sdpa_varlen_fwd).__name__ == "InterpretedFunction"
+
+
+def _scratch(size: int, alignment: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _check_descriptors(k_store: Tensor, v_store: Tensor, columns: int) -> None:
+    """Tensor descriptors of a column's rows need 16-byte aligned rows and row strides; on a GPU,
+    Triton's scratch allocator for the descriptors made on the device (set for the process)."""
+    for name, t in (("k_store", k_store), ("v_store", v_store)):
+        if (t.stride(0) * columns * t.element_size()) % 16 or (t.stride(1) * t.element_size()) % 16 or (
+                t.device.type == "cuda" and not is_fake(t) and t.data_ptr() % 16):
+            raise ValueError(f"Tuning.tma_paths: {name} (strides {tuple(t.stride())}, {t.element_size()}-byte elements) "
+                             "is not 16-byte aligned per row; set tma_paths=0")
+    if not interpreted():
+        triton.set_allocator(_scratch)
 
 
 def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, columns: int,
@@ -299,25 +369,31 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     ``Tuning.split_launch``).  The plan's merge
     tickets are zero before and after it (the launch that uses a ticket resets it)."""
     wrap = launch if launch is not None else (lambda fn: fn)
+    if not scale > 0:
+        raise ValueError(f"sdpa_varlen: scale={scale}: a positive number is allowed (the kernel keeps its running "
+                         "maxima in scaled units)")
     n_tok, hq, d = q.shape
     hkv, dv = k_store.shape[1], v_store.shape[-1]
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
     v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
+    if geo.tma_paths:
+        _check_descriptors(k_store, v_store, columns)
     out = q.new_empty(n_tok, hq, dv)
     part_o = torch.empty(geo.target_items * hkv * geo.part_rows * dv, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(geo.target_items * hkv * geo.part_rows * 2, dtype=torch.float32, device=q.device)
     args = (q, k_store, v_store, out, plan, part_o, part_ml,
             q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
             v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),
-            columns, scale * _LOG2E, window, geo.tickets_off, geo.rec_off)
+            columns, k_store.shape[0] // columns, scale * _LOG2E, window, geo.tickets_off, geo.rec_off)
     consts = dict(G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, BLOCK_M_LONG=geo.block_m_long,
                   TOKB_SHORT=geo.tokb_short, PART_ROWS=geo.part_rows, M_DEC=geo.m_dec,
                   BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, BN_LONG=geo.bn_long, DEC_STAGES=geo.dec_stages,
                   PRE_STAGES=geo.pre_stages, LONG_STAGES=geo.long_stages,
                   SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, SPL_LONG=geo.spl_long, CAUSAL=causal, HAS_WINDOW=window > 0,
                   IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
-                  MERGE_GROUP=geo.merge_group or _ONE_LEVEL, FUSED_MULTI_MERGE=not geo.merge_launch)
+                  MERGE_GROUP=geo.merge_group or _ONE_LEVEL, FUSED_MULTI_MERGE=not geo.merge_launch,
+                  TMA_PATHS=geo.tma_paths, WS_PATHS=geo.ws_paths)
     grid = (geo.w_max, hkv)
     # (paths, warps, stages) of each launch; every launch reads the whole plan and skips the other paths' items
     if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits
