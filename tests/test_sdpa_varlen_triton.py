@@ -205,13 +205,13 @@ def test_mixed_step(hq, hkv, causal, window):
 
 @needs_kernels
 @pytest.mark.parametrize("causal", [True, False])
-def test_descriptor_loads_and_warp_specialized_loops(causal):
-    """Tuning.tma_paths / ws_paths on every path: the unmasked tiles inside one segment read
+def test_descriptor_loads(causal):
+    """Tuning.tma_paths on every path: the unmasked tiles inside one segment read
     through tensor descriptors (the mixed step's wrapped rings give tiles inside segment 0,
     inside segment 1 and across the two, which keep gathered loads), with the long path on."""
     args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=11 + causal)
     tuning = dataclasses.replace(SMALL["tuning"], pre_block_m=16, long_block_m=32, long_min_tokens=0,
-                                 tma_paths=7, ws_paths=7)
+                                 tma_paths=7)
     check(args, 5, causal, 0, expect_split=True, tuning=tuning)
     # rings wrapped a few rows from their end: items wholly inside segment 1
     wrapped = [dict(col=0, n_keys=62, start_row=60, first_pos=0, n_q=1),

@@ -64,18 +64,18 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
               stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
               BN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, STAGES: tl.constexpr, MASK: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-              TMA: tl.constexpr = False, WS: tl.constexpr = False):
+              TMA: tl.constexpr = False):
     """Online softmax over the key tiles starting at j0, j0 + BN, ... < j1 of the block's key
     index (segment 0's n0 keys, then segment 1's).  MASK: keys at or past kend and, per row,
     those outside the causal / window bounds are masked; otherwise every key is visible.
     TMA (unmasked tiles of one segment only): tile j is rows rowbase + j of the column, loaded
-    through the tensor descriptors kdesc / vdesc.  WS: the loop warp-specialized.
+    through the tensor descriptors kdesc / vdesc.
     m_i is in scaled units (scores x scale_log2, scale_log2 > 0), so a tile's exponent is one
     fused multiply-add per score."""
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    for j in tl.range(j0, j1, BN, num_stages=STAGES, warp_specialize=WS):
+    for j in tl.range(j0, j1, BN, num_stages=STAGES):
         idx = j + offs_n
         in0 = idx < n0
         slot = tl.where(in0, row0 + idx, row1 + (idx - n0)).to(tl.int64) * columns + col
@@ -132,7 +132,7 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
 def _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, j0, j1, n0, row0, row1, pos0, pos1, col, columns,
                        stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc,
                        BN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, STAGES: tl.constexpr,
-                       IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     """The unmasked tiles [j0, j1): through the tensor descriptors where TMA and the range lies in
     one segment (rows rowbase + key index), else by gathered rows (a range across the segments)."""
     if TMA:
@@ -141,15 +141,15 @@ def _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, j0, j1, n0, row0, row1, 
             rowbase = tl.where(in1, row1 - n0, row0)
             acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
                                       columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
-                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, True, WS)
+                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, True)
         else:
             acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
                                       columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, 0,
-                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False, WS)
+                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False)
     else:
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
                                   columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, 0,
-                                  BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False, WS)
+                                  BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False)
     return acc, m_i, l_i
 
 
@@ -163,14 +163,13 @@ def _attend(
     BN: tl.constexpr, PM: tl.constexpr, STAGES: tl.constexpr, MULTI: tl.constexpr, SPL: tl.constexpr,
     MERGE_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MERGE: tl.constexpr, TMA: tl.constexpr,
-    WS: tl.constexpr,
 ):
     """One item for KV head h: keys [kstart, kend) of the block's key index against an M-row
     query tile.  MULTI: several query tokens, whose causal / window bounds differ per row; a
     one-token block's key range is exactly its visible one (the plan trimmed it), so only
     the keys past kend are masked.  TMA: the unmasked tiles of one segment are read through
     tensor descriptors of this column and KV head's rows ([rows, D], row stride columns rows of
-    the store); WS: their loop is warp-specialized."""
+    the store)."""
     r = tl.arange(0, M)
     tok_in = r // G_PAD
     hg = r % G_PAD
@@ -220,14 +219,14 @@ def _attend(
                                   kdesc, vdesc, 0, BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
         acc, m_i, l_i = _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, kstart + t_lo * BN, kstart + t_mid * BN,
                                            n0, row0, row1, pos0, pos1, col, columns, stride_kn, stride_vn, qpos,
-                                           scale_log2, window, kdesc, vdesc, BN, D, DV, STAGES, IEEE, UPCAST, TMA, WS)
+                                           scale_log2, window, kdesc, vdesc, BN, D, DV, STAGES, IEEE, UPCAST, TMA)
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_mid * BN, kend, kend, n0, row0, row1,
                                   pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
                                   kdesc, vdesc, 0, BN, D, DV, STAGES, True, CAUSAL, HAS_WINDOW, IEEE, UPCAST)
     else:
         acc, m_i, l_i = _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, kstart, kstart + t_full * BN, n0, row0,
                                            row1, pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2,
-                                           window, kdesc, vdesc, BN, D, DV, STAGES, IEEE, UPCAST, TMA, WS)
+                                           window, kdesc, vdesc, BN, D, DV, STAGES, IEEE, UPCAST, TMA)
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, kstart + t_full * BN, kend, kend, n0, row0, row1,
                                   pos0, pos1, col, columns, stride_kn, stride_vn, qpos, scale_log2, window,
                                   kdesc, vdesc, 0, BN, D, DV, STAGES, True, False, False, IEEE, UPCAST)
@@ -278,14 +277,13 @@ def _sdpa_varlen_fwd(
     SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr, SPL_LONG: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NBF_: tl.constexpr, PATHS: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MULTI_MERGE: tl.constexpr,
-    REVERSE: tl.constexpr, TMA_PATHS: tl.constexpr, WS_PATHS: tl.constexpr,
+    REVERSE: tl.constexpr, TMA_PATHS: tl.constexpr,
 ):
     """The items of the paths in PATHS (a bit mask): 1 decode blocks (one token), 2
     multi-token blocks of at most TOKB_SHORT tokens (BLOCK_M-row tiles), 4 long blocks (more
     tokens, BLOCK_M_LONG-row tiles); the launches of one call cover the three between them.
-    REVERSE: program p runs item n_items - 1 - p (the plan's last items first).  TMA_PATHS /
-    WS_PATHS: the paths (same bits) whose unmasked tiles go through tensor descriptors / a
-    warp-specialized loop."""
+    REVERSE: program p runs item n_items - 1 - p (the plan's last items first).  TMA_PATHS:
+    the paths (same bits) whose unmasked tiles go through tensor descriptors."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # AOTInductor passes float scalars as fp64
     p = tl.program_id(0)
     h = tl.program_id(1)
@@ -321,8 +319,8 @@ def _sdpa_varlen_fwd(
                         h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         M_DEC, G, G_PAD, D, DV, BN_DEC, PART_ROWS, DEC_STAGES, False, SPL_DEC, G_PAD,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True, (TMA_PATHS & 1) != 0,
-                        (WS_PATHS & 1) != 0)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True,
+                        (TMA_PATHS & 1) != 0)
         elif ntok <= TOKB_SHORT:
             if PATHS & 2:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
@@ -330,8 +328,8 @@ def _sdpa_varlen_fwd(
                         h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M, G, G_PAD, D, DV, BN_PRE, PART_ROWS, PRE_STAGES, True, SPL_PRE, BLOCK_M,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE, (TMA_PATHS & 2) != 0,
-                        (WS_PATHS & 2) != 0)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE,
+                        (TMA_PATHS & 2) != 0)
         else:
             if PATHS & 4:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
@@ -339,8 +337,8 @@ def _sdpa_varlen_fwd(
                         h, col, columns, rows, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M_LONG, G, G_PAD, D, DV, BN_LONG, PART_ROWS, LONG_STAGES, True, SPL_LONG, BLOCK_M_LONG,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE, (TMA_PATHS & 4) != 0,
-                        (WS_PATHS & 4) != 0)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, FUSED_MULTI_MERGE,
+                        (TMA_PATHS & 4) != 0)
 
 
 def interpreted() -> bool:
@@ -393,7 +391,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
                   SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, SPL_LONG=geo.spl_long, CAUSAL=causal, HAS_WINDOW=window > 0,
                   IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
                   MERGE_GROUP=geo.merge_group or _ONE_LEVEL, FUSED_MULTI_MERGE=not geo.merge_launch,
-                  TMA_PATHS=geo.tma_paths, WS_PATHS=geo.ws_paths)
+                  TMA_PATHS=geo.tma_paths)
     grid = (geo.w_max, hkv)
     # (paths, warps, stages) of each launch; every launch reads the whole plan and skips the other paths' items
     if geo.split_launch:  # a block's items are all of one kind: each launch merges its own splits

@@ -127,11 +127,12 @@ def _plan_kernel(
         pcol = tl.load(q_cols + i - 1, mask=has_prev, other=-1)
         pos = tl.load(q_pos + i, mask=valid, other=0)
         ppos = tl.load(q_pos + i - 1, mask=has_prev, other=0)
-        s = base + offs
-        scol, ok = _live_segment(seq_info, s, S, columns)
-        key = tl.load(seq_info + s * 4 + 3, mask=ok, other=0) * (1 << 32) + s
-        tl.atomic_min(col_seg + scol * 2, key, mask=ok, sem="relaxed")
-        tl.atomic_max(col_seg + scol * 2 + 1, key, mask=ok, sem="relaxed")
+        if base < S:  # a long prefill's later chunks hold no segment: no masked atomics for them
+            s = base + offs
+            scol, ok = _live_segment(seq_info, s, S, columns)
+            key = tl.load(seq_info + s * 4 + 3, mask=ok, other=0) * (1 << 32) + s
+            tl.atomic_min(col_seg + scol * 2, key, mask=ok, sem="relaxed")
+            tl.atomic_max(col_seg + scol * 2 + 1, key, mask=ok, sem="relaxed")
         run_head = valid & ((i == 0) | (col != pcol) | (pos != ppos + 1))
         start = tl.maximum(tl.associative_scan(tl.where(run_head, i, -1), 0, _max), run0)  # of i's run
         head = run_head | (valid & ((i - start) % TOKB == 0))

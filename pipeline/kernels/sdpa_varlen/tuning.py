@@ -48,12 +48,11 @@ class Tuning:
     plan_warps: int = 8  # most warps of the plan kernel (one program)
     plan_width: int = 1024  # most lanes of the plan kernel's vectors (its passes go this many at a time)
     plan_lanes: int = 1  # lanes per thread the plan aims at: its warps are width // (32 * plan_lanes), 1 .. plan_warps
-    # Hopper features, per path (bits: 1 decode, 2 multi-token, 4 long blocks; 0: none).  tma_paths: the unmasked
-    # key tiles that lie in one segment are read through tensor descriptors (TMA; made on the device, so the launch
-    # needs Triton's scratch allocator, which attend_impl sets); ws_paths: the unmasked tiles' loop is
-    # warp-specialized (tl.range(warp_specialize=True)).
+    # the paths (bits: 1 decode, 2 multi-token, 4 long blocks; 0: none) whose unmasked key tiles that lie in one
+    # segment are read through tensor descriptors (Hopper's TMA; made on the device, so the launch needs Triton's
+    # scratch allocator, which attend_impl sets).  Off: on the H200 (triton 3.6) it made decodes and drafts 10-30%
+    # slower (a descriptor per program) and long prefills 1-2% faster (docs/benchmarks.md, eighth round)
     tma_paths: int = 0
-    ws_paths: int = 0
 
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
@@ -65,10 +64,9 @@ class Tuning:
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
-        for name in ("tma_paths", "ws_paths"):
-            if not 0 <= getattr(self, name) <= 7:
-                raise ValueError(f"Tuning.{name}={getattr(self, name)}: a bit mask of paths (1 decode, 2 multi-token, "
-                                 "4 long), 0 .. 7, is allowed")
+        if not 0 <= self.tma_paths <= 7:
+            raise ValueError(f"Tuning.tma_paths={self.tma_paths}: a bit mask of paths (1 decode, 2 multi-token, "
+                             "4 long), 0 .. 7, is allowed")
         if self.long_min_tokens < 0:
             raise ValueError(f"Tuning.long_min_tokens={self.long_min_tokens}: a non-negative integer is allowed")
         for name in ("dec_stages", "pre_stages", "long_stages", "dec_warps", "pre_warps", "long_warps", "target_ctas",
@@ -126,7 +124,6 @@ class Geometry:
     merge_rows: int  # rows of a program of the merge launch (<= block_m)
     spl_launch: int  # partial slots merged per load by the merge launch
     tma_paths: int  # Tuning's, bits of the paths
-    ws_paths: int
     target_items: int  # items the splits aim at (per KV head); also the most partial slots
     n_tickets: int  # one merge ticket per (partial slot, KV head)
     n_mlist: int  # entries of the plan's split list: a split block has >= 2 of the target_items partial slots
@@ -216,7 +213,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         plan_width=plan_width, plan_warps=max(1, min(tuning.plan_warps, plan_width // (32 * tuning.plan_lanes))),
         merge_launch=tuning.merge_launch, merge_rows=merge_rows,
         spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
-        tma_paths=tuning.tma_paths, ws_paths=tuning.ws_paths,
+        tma_paths=tuning.tma_paths,
         target_items=target_items, n_tickets=target_items * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
         tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
