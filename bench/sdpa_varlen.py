@@ -1,7 +1,7 @@
 """Benchmark of the Triton ``sdpa_varlen`` kernels (plan + attention) on one CUDA GPU.
 
     PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py [--quick] [--sweep] [--profile] [--out PATH]
-                                                  [--compare OLD_MODULE.py] [--plan-compare [OLD_PLAN.py]]
+                                                  [--compare OLD_MODULE.py|OLD_DIR] [--plan-compare [OLD_PLAN.py]]
 
 Times (median over CUDA-graph replays, K/V rotated over several buffers so the working set
 is far above L2) our kernel on the column store [rows * columns, Hkv, D] and, on the same
@@ -11,7 +11,7 @@ installed torch has no ``enable_gqa``; packing not timed), FlexAttention with a 
 (compiled; only on a few shapes: compile time) and ExecuTorch's Triton SDPA when importable.
 Imports neither executorch's exporter nor hydra.  ``--compare`` times another version of
 the kernel (a single-file module, e.g. ``git show 04d2c43:pipeline/kernels/sdpa_varlen.py >
-old.py``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
+old.py``, or a package directory: ``load_module``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
 variants of ``Tuning`` first (reported; the table uses the defaults).  ``--plan-compare``
 times the plan alone (16 launches per graph and 1), beside an earlier ``plan.py`` if given.
 
@@ -52,8 +52,8 @@ def _load_source(path, name, old, new):
 def load_module(path):
     """Another version of the kernel: one file (its ops registered under ``kvcache_prev::``, the
     names of ours are taken), or a package directory of ``tuning.py``, ``plan.py``, ``merge.py`` and
-    ``attention.py`` (e.g. ``git archive REV pipeline/kernels/sdpa_varlen | tar -x -C old``; its
-    ``ops.py`` is not imported)."""
+    ``attention.py`` (e.g. ``old/pipeline/kernels/sdpa_varlen`` after ``git archive REV
+    pipeline/kernels/sdpa_varlen | tar -x -C old``; its ``ops.py`` is not imported)."""
     if not os.path.isdir(path):
         return _load_source(path, "sdpa_varlen_prev", '"kvcache::', '"kvcache_prev::')
     import importlib
@@ -313,7 +313,7 @@ def main():
     ap.add_argument("--adopt", action="store_true", help="with --sweep: time the table with the sweep's winner (the report says which)")
     ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--compare", help="another version of the kernel module (a .py file), timed beside ours")
+    ap.add_argument("--compare", help="another version of the kernel (a .py file or a package directory), timed beside ours")
     ap.add_argument("--plan-compare", nargs="?", const="", metavar="OLD_PLAN.py",
                     help="the plan alone on the sweep cases (16 and 1 launches per graph), beside an earlier plan.py if given")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this many seconds")
