@@ -51,9 +51,9 @@ def _load_source(path, name, old, new):
 
 def load_module(path):
     """Another version of the kernel: one file (its ops registered under ``kvcache_prev::``, the
-    names of ours are taken), or a package directory of ``tuning.py``, ``plan.py``, ``merge.py`` and
-    ``attention.py`` (e.g. ``old/pipeline/kernels/sdpa_varlen`` after ``git archive REV
-    pipeline/kernels/sdpa_varlen | tar -x -C old``; its ``ops.py`` is not imported)."""
+    names of ours are taken), or the package's directory (e.g. ``old/pipeline/kernels/sdpa_varlen``
+    after ``git archive REV pipeline/kernels/sdpa_varlen | tar -x -C old``): its ``tuning``, ``plan``
+    and ``attention`` modules, with what they import; its ``ops.py`` is not imported."""
     if not os.path.isdir(path):
         return _load_source(path, "sdpa_varlen_prev", '"kvcache::', '"kvcache_prev::')
     import importlib

@@ -7,6 +7,7 @@ Two kernels per step, no host synchronisation:
   of its visible keys), the plan's int32 layout named once there;
 - ``attention.py``: ``_sdpa_varlen_fwd`` runs the items for every KV head in one launch (a second for long blocks),
   the splits of a long block merged by the last of them to finish;
+- ``tiles.py``: the key-tile loops (online softmax over a range of an item's key tiles);
 - ``merge.py``: the log-sum-exp merges of split blocks' partials (fused, and the merge launch);
 - ``tuning.py``: the tiles and split targets (``Tuning``, a frozen value; ``DEFAULT``) and the
   geometry of one call derived from shapes;
