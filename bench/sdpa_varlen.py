@@ -11,11 +11,12 @@ installed torch has no ``enable_gqa``; packing not timed), FlexAttention with a 
 (compiled; only on a few shapes: compile time) and ExecuTorch's Triton SDPA when importable.
 Imports neither executorch's exporter nor hydra.  ``--compare`` times another version of
 the kernel (a single-file module, e.g. ``git show 04d2c43:pipeline/kernels/sdpa_varlen.py >
-old.py``, or a package directory: ``load_module``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
+old.py``, or a package directory: ``bench/sdpa/versions.py``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
 variants of ``Tuning`` first (reported; the table uses the defaults).  ``--plan-compare``
 times the plan alone (16 launches per graph and 1), beside an earlier ``plan.py`` if given.
 
 Parts: ``bench/sdpa/timing.py`` (graph timing), ``workloads.py`` (cases), ``peers.py``,
+``versions.py`` (earlier versions of the kernel, for ``--compare`` / ``--plan-compare``),
 ``report.py`` (the markdown, with the issue's goals marked met or not).
 """
 
@@ -33,40 +34,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.sdpa import peers, report  # noqa: E402
 from bench.sdpa.timing import DEV, DT, GB, log, n_rot, time_fn  # noqa: E402
+from bench.sdpa.versions import load_module, load_plan  # noqa: E402
 from bench.sdpa.workloads import FLEX_CASES, Work, build_cases, small_cases, sweep_cases  # noqa: E402
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.sdpa_varlen import attention as K_attention  # noqa: E402
-
-
-def _load_source(path, name, old, new):
-    """The Python file ``path`` as module ``name``, ``old`` replaced by ``new`` in its source."""
-    import types
-    src = open(path).read().replace(old, new)
-    mod = types.ModuleType(name)
-    mod.__file__ = os.path.abspath(path)
-    sys.modules[mod.__name__] = mod  # triton's jit looks its functions' globals up through the module
-    exec(compile(src, mod.__file__, "exec"), mod.__dict__)
-    return mod
-
-
-def load_module(path):
-    """Another version of the kernel: one file (its ops registered under ``kvcache_prev::``, the
-    names of ours are taken), or the package's directory (e.g. ``old/pipeline/kernels/sdpa_varlen``
-    after ``git archive REV pipeline/kernels/sdpa_varlen | tar -x -C old``): its ``tuning``, ``plan``
-    and ``attention`` modules, with what they import; its ``ops.py`` is not imported."""
-    if not os.path.isdir(path):
-        return _load_source(path, "sdpa_varlen_prev", '"kvcache::', '"kvcache_prev::')
-    import importlib
-    import types
-    pkg = types.ModuleType("sdpa_varlen_prev")
-    pkg.__path__ = [os.path.abspath(path)]
-    sys.modules[pkg.__name__] = pkg
-    tuning = importlib.import_module("sdpa_varlen_prev.tuning")
-    pkg.plan_impl = importlib.import_module("sdpa_varlen_prev.plan").plan_impl
-    pkg.attend_impl = importlib.import_module("sdpa_varlen_prev.attention").attend_impl
-    pkg._geometry_of = lambda q, k, v, cols: tuning.geometry(q.shape[0], cols, q.shape[1], k.shape[1], q.shape[2],
-                                                             v.shape[-1], q.element_size(), tuning.DEFAULT)
-    return pkg
 
 
 def ours_calls(w, mod=None, tuning=None, inputs=None):
@@ -101,11 +72,6 @@ def run_ours(w, mod=None, tuning=None):
     the gap to the next), as the attention's is over its rotations."""
     fns, plan_call, _ = ours_calls(w, mod, tuning)
     return time_fn(fns), time_fn([plan_call] * PLAN_REPS)
-
-
-def load_plan(path):
-    """An earlier version's plan.py, its relative import made absolute: its ``plan_impl``."""
-    return _load_source(path, "sdpa_varlen_prev_plan", "from .tuning import", "from pipeline.kernels.sdpa_varlen.tuning import")
 
 
 def plan_only(w, tuning=None, plan_impl=None, **geo_changes):

@@ -1,1 +1,1 @@
-"""Parts of bench/sdpa_varlen.py: timing, workloads, peers, report."""
+"""Parts of bench/sdpa_varlen.py: timing, workloads, peers, report, versions."""

@@ -8,6 +8,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_tile(base, desc, slot, stride, offs, kv, row, MASK: tl.constexpr, TMA: tl.constexpr):
+    """One K or V tile [BN, len(offs)]: rows slot (masked by kv where MASK), or through the
+    tensor descriptor from row where TMA."""
+    if MASK:
+        t = tl.load(base + slot[:, None] * stride + offs[None, :], mask=kv[:, None], other=0.0)
+    elif TMA:
+        t = desc.load([row, 0])
+    else:
+        t = tl.load(base + slot[:, None] * stride + offs[None, :])
+    return t
+
+
+@triton.jit
 def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos0, pos1, col, columns,
               stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
               BN: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, STAGES: tl.constexpr, MASK: tl.constexpr,
@@ -27,13 +40,8 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
         idx = j + offs_n
         in0 = idx < n0
         slot = tl.where(in0, row0 + idx, row1 + (idx - n0)).to(tl.int64) * columns + col
-        if MASK:
-            kv = idx < kend
-            kt = tl.load(kbase + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None], other=0.0)
-        elif TMA:
-            kt = kdesc.load([rowbase + j, 0])
-        else:
-            kt = tl.load(kbase + slot[:, None] * stride_kn + offs_d[None, :])
+        kv = idx < kend
+        kt = _load_tile(kbase, kdesc, slot, stride_kn, offs_d, kv, rowbase + j, MASK, TMA)
         if UPCAST:
             kt = kt.to(tl.float32)
         if IEEE:
@@ -48,20 +56,15 @@ def _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, kend, n0, row0, row1, pos
             if HAS_WINDOW:
                 vis = vis & ((qpos[:, None] - kpos[None, :]) < window)
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        if MASK:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         else:  # every key visible: the max is finite
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
             m_use = m_new
         p = tl.math.exp2(s * scale_log2 - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
-            vt = tl.load(vbase + slot[:, None] * stride_vn + offs_dv[None, :], mask=kv[:, None], other=0.0)
-        elif TMA:
-            vt = vdesc.load([rowbase + j, 0])
-        else:
-            vt = tl.load(vbase + slot[:, None] * stride_vn + offs_dv[None, :])
+        vt = _load_tile(vbase, vdesc, slot, stride_vn, offs_dv, kv, rowbase + j, MASK, TMA)
         if UPCAST:
             # Triton's interpreter gets bf16 dots wrong: round P to bf16, dot in fp32
             pc = p.to(tl.bfloat16).to(tl.float32)
@@ -85,17 +88,17 @@ def _kv_tiles_unmasked(acc, m_i, l_i, qt, kbase, vbase, j0, j1, n0, row0, row1, 
     one segment (rows rowbase + key index), else by gathered rows (a range across the segments)."""
     if TMA:
         in1 = j0 >= n0
-        if (j1 <= n0) | in1:
-            rowbase = tl.where(in1, row1 - n0, row0)
-            acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
-                                      columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
-                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, True)
-        else:
-            acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
-                                      columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, 0,
-                                      BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False)
+        by_desc = (j1 <= n0) | in1
+        rowbase = tl.where(in1, row1 - n0, row0)
+    else:
+        by_desc: tl.constexpr = False  # the descriptor branch is not compiled
+        rowbase = 0
+    if by_desc:
+        acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
+                                  columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
+                                  BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, True)
     else:
         acc, m_i, l_i = _kv_tiles(acc, m_i, l_i, qt, kbase, vbase, j0, j1, j1, n0, row0, row1, pos0, pos1, col,
-                                  columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, 0,
+                                  columns, stride_kn, stride_vn, qpos, scale_log2, window, kdesc, vdesc, rowbase,
                                   BN, D, DV, STAGES, False, False, False, IEEE, UPCAST, False)
     return acc, m_i, l_i
