@@ -6,11 +6,7 @@
 # and joblib: the config names the sweep launcher, filelock: the stage cache, ...): README "GPU".
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda_build_out}; mkdir -p "$OUT"
-if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # SKIP_WHEELS=1: already on PYTHONPATH
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+. bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 experiments=("$@"); [ ${#experiments[@]} -gt 0 ] || experiments=(cuda_batched8 cuda_cell4)
 

@@ -371,33 +371,33 @@ def test_long_blocks_launch_skipped_by_the_token_bound():
 
 
 @needs_kernels
-def test_fuzz():
-    g = torch.Generator().manual_seed(123)
-    for trial in range(6):
-        columns, rows = (4, 40) if trial < 4 else (24, 40)  # trials 4, 5: 18 sequences, more blocks and items
-        hkv = [1, 2][trial % 2]
-        hq = hkv * [1, 2, 4][trial % 3]
-        seqs = []
-        cols = torch.randperm(columns, generator=g).tolist()[: 3 if trial < 4 else 18]
-        for col in cols:
-            n = int(torch.randint(0, rows + 1, (1,), generator=g))
-            n_q = int(torch.randint(1, 9 if trial < 4 else 21, (1,), generator=g))
-            seqs.append(dict(col=col, n_keys=n, start_row=int(torch.randint(0, rows, (1,), generator=g)),
-                             first_pos=int(torch.randint(0, 50, (1,), generator=g)), n_q=n_q,
-                             q_first=int(torch.randint(0, 100, (1,), generator=g))))
-        args = make_step(seqs, columns=columns, rows=rows, hq=hq, hkv=hkv, d=16, seed=trial)
-        causal = bool(trial % 2)
-        window = [0, 9][trial // 2 % 2]
-        # trials 0, 3, 4, 5: the plan's passes 16 lanes at a time (several per pass, carries across them);
-        # trials 1, 2, 4, 5: 16-row short tiles and 32-row long ones (TOKB 4 / 8 at G_PAD 4, 8 / 16 at 2),
-        # so blocks go down all three paths
-        small_tiles = trial in (1, 2, 4, 5)
-        check(args, columns, causal, window,
-              tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
-                                         plan_width=16 if trial in (0, 3, 4, 5) else 1024,
-                                         pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128,
-                                         long_min_tokens=0, longest_first=trial != 4,
-                                         tma_paths=7 if trial in (3, 5) else 0))
+@pytest.mark.parametrize("trial", range(6))  # one test each: the GPU suite's shards compile them side by side
+def test_fuzz(trial):
+    g = torch.Generator().manual_seed(123 + trial)
+    columns, rows = (4, 40) if trial < 4 else (24, 40)  # trials 4, 5: 18 sequences, more blocks and items
+    hkv = [1, 2][trial % 2]
+    hq = hkv * [1, 2, 4][trial % 3]
+    seqs = []
+    cols = torch.randperm(columns, generator=g).tolist()[: 3 if trial < 4 else 18]
+    for col in cols:
+        n = int(torch.randint(0, rows + 1, (1,), generator=g))
+        n_q = int(torch.randint(1, 9 if trial < 4 else 21, (1,), generator=g))
+        seqs.append(dict(col=col, n_keys=n, start_row=int(torch.randint(0, rows, (1,), generator=g)),
+                         first_pos=int(torch.randint(0, 50, (1,), generator=g)), n_q=n_q,
+                         q_first=int(torch.randint(0, 100, (1,), generator=g))))
+    args = make_step(seqs, columns=columns, rows=rows, hq=hq, hkv=hkv, d=16, seed=trial)
+    causal = bool(trial % 2)
+    window = [0, 9][trial // 2 % 2]
+    # trials 0, 3, 4, 5: the plan's passes 16 lanes at a time (several per pass, carries across them);
+    # trials 1, 2, 4, 5: 16-row short tiles and 32-row long ones (TOKB 4 / 8 at G_PAD 4, 8 / 16 at 2),
+    # so blocks go down all three paths
+    small_tiles = trial in (1, 2, 4, 5)
+    check(args, columns, causal, window,
+          tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
+                                     plan_width=16 if trial in (0, 3, 4, 5) else 1024,
+                                     pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128,
+                                     long_min_tokens=0, longest_first=trial != 4,
+                                     tma_paths=7 if trial in (3, 5) else 0))
 
 
 @needs_kernels
