@@ -1,1 +1,1 @@
-"""Parts of bench/sdpa_varlen.py: timing, workloads, peers, report, versions."""
+"""Parts of bench/sdpa_varlen.py: timing, workloads, ours, peers, versions, experiments, report."""

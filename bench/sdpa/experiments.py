@@ -1,0 +1,147 @@
+"""The benchmark's experiments beside the table: the ``Tuning`` sweep (``--sweep``), the plan alone
+(``--plan-compare``) and per-launch GPU times (``--profile``)."""
+
+import dataclasses
+
+import torch
+
+from bench.sdpa.ours import PLAN_REPS, ours_calls, plan_only, plan_times, run_ours
+from bench.sdpa.timing import log, time_fn
+from bench.sdpa.versions import load_plan
+from bench.sdpa.workloads import small_cases, sweep_cases
+from pipeline.kernels import sdpa_varlen as K
+from pipeline.kernels.sdpa_varlen import attention as K_attention
+
+# the sweep: groups of variants of Tuning, each group on top of the winners of the groups before
+# (each group's first variant is the running choice, the reference of its ratios)
+SWEEP = [
+    ("launches", "all", [dict(split_launch=False), dict(split_launch=True),
+                         dict(split_launch=True, dec_warps=2)]),
+    ("decode tile", "dec", [dict(dec_block_n=128), dict(dec_block_n=64)]),
+    ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)]),
+    ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)]),
+    ("merge levels", "small", [dict(merge_group=8), dict(merge_group=0)]),
+    ("multi-token merge", "pre", [dict(merge_launch=False, min_chunk_multi=2048), dict(merge_launch=True),
+                                  dict(merge_launch=True, min_chunk_multi=1024),
+                                  dict(merge_launch=True, min_chunk_multi=512)]),
+    ("multi-token pipeline", "pre", [dict(pre_stages=3), dict(pre_stages=4), dict(pre_stages=2)]),
+    ("split target", "dec", [dict(target_ctas=528), dict(target_ctas=264), dict(target_ctas=792)]),
+    ("decode pipeline", "dec", [dict(dec_stages=3), dict(dec_stages=4), dict(dec_stages=2)]),
+    ("long blocks", "pre", [dict(long_block_m=128), dict(long_block_m=0), dict(long_block_m=128, long_stages=4),
+                            dict(long_block_m=128, long_block_n=128, long_stages=2)]),
+    ("descriptor loads", "all", [dict(tma_paths=0), dict(tma_paths=7), dict(tma_paths=6), dict(tma_paths=4)]),
+    ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
+                            dict(plan_lanes=8)]),
+]
+
+
+def sweep(groups=None):
+    """Each group's variants timed on its cases (decode; multi-token; all; "plan": the plan
+    alone on all) on top of the winners of the groups before; the lowest sum of time ratios to
+    the group's first wins."""
+    dec_cases, pre_cases = sweep_cases()
+    chosen = K.Tuning()
+    lines = []
+    for group, which, variants in SWEEP:
+        if groups and group not in groups:
+            continue
+        cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "plan": dec_cases + pre_cases,
+                 "small": small_cases()}[which]
+        best, best_t, ref = None, float("inf"), {}
+        for var in variants:
+            tuning = dataclasses.replace(chosen, **var)
+            line, tot = [], 0.0
+            for w in cases:
+                try:
+                    if which == "plan":  # the plan alone
+                        us = time_fn([plan_only(w, tuning)] * PLAN_REPS)
+                    else:
+                        us = run_ours(w, tuning=tuning)[0]
+                    tot += us / ref.setdefault(w.name, us)
+                    line.append(f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF")
+                except Exception as e:  # noqa: BLE001  (the variant is out: reported, never chosen)
+                    tot = float("inf")
+                    line.append(f"{w.name}: err {type(e).__name__} {str(e)[:120]}")
+                torch.cuda.empty_cache()
+            log(f"sweep {group} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
+            lines.append(f"| {group} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
+            if tot < best_t:
+                best, best_t = tuning, tot
+        chosen = best or chosen
+    log(f"fastest on the sweep cases: {chosen}; defaults: {K.Tuning()}")
+    return chosen, K.Tuning(), lines
+
+
+def plan_section(prev_path=None):
+    """The plan alone on the sweep cases, ours beside an earlier plan.py (``--plan-compare``)."""
+    prev = load_plan(prev_path) if prev_path else None
+    dec_cases, pre_cases = sweep_cases()
+    head = "| case | ours µs (16 per graph) | ours µs (1 per graph) |" + (
+        " prev µs (16 per graph) | prev µs (1 per graph) | prev/ours (16) |" if prev else "")
+    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
+    for w in dec_cases + pre_cases:
+        try:
+            t = plan_times(w, prev_plan=prev)
+            cells = [t["ours", PLAN_REPS], t["ours", 1]]
+            if prev:
+                cells += [t["prev", PLAN_REPS], t["prev", 1]]
+            line = f"| {w.name} | " + " | ".join(f"{c:.1f}" for c in cells) + (
+                f" | {t['prev', PLAN_REPS] / t['ours', PLAN_REPS]:.2f}x |" if prev else " |")
+        except Exception as e:  # noqa: BLE001
+            line = f"| {w.name} | err {type(e).__name__}: {str(e)[:120]} |"
+        log("plan " + line)
+        lines.append(line)
+        torch.cuda.empty_cache()
+    return lines
+
+
+def kernel_stats(fn) -> str:
+    """Registers, spills and shared memory of each compiled specialisation of a Triton kernel."""
+    seen = []
+    for entry in getattr(fn, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        for kern in cache.values():
+            try:
+                seen.append(f"{kern.n_regs} regs, {kern.n_spills} spills, {kern.metadata.shared} B shared")
+            except Exception as e:  # noqa: BLE001  (attribute names differ between Triton versions)
+                seen.append(f"stats n/a ({type(e).__name__})")
+    return "; ".join(sorted(set(seen))) or "no compiled specialisation"
+
+
+def profile():
+    """Per-launch GPU time of one layer's attention (eager launches under torch.profiler,
+    rotated K/V), next to the CUDA-graph time of the whole call: where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    dec_cases, pre_cases = sweep_cases()
+    lines = []
+    for w in dec_cases + pre_cases:
+        try:
+            fns, _, plan = ours_calls(w)
+            graph_us = time_fn(fns)
+            for f in fns:
+                f()
+            torch.cuda.synchronize()
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    for f in fns:
+                        f()
+                torch.cuda.synchronize()
+            kern = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA]
+            period = len(kern) // (3 * len(fns))
+            parts = []
+            for i in range(period):
+                ds = sorted(d for _, d in kern[i::period])
+                parts.append(f"{kern[i][0][:24]} {ds[len(ds) // 2]:.1f}")
+            hdr = plan[:6].tolist()
+            line = (f"{w.name}: graph {graph_us:.1f} us = " + " + ".join(parts)
+                    + f" (+ gaps) | plan: blocks {hdr[0]} items {hdr[1]} split blocks {hdr[2]} chunk {hdr[3]}")
+        except Exception as e:  # noqa: BLE001
+            line = f"{w.name}: profile failed: {type(e).__name__}: {str(e)[:160]}"
+        log("profile " + line)
+        lines.append(line)
+        torch.cuda.empty_cache()
+    lines.append("compiled attention kernel: " + kernel_stats(K_attention._sdpa_varlen_fwd))
+    log("profile " + lines[-1])
+    return lines
