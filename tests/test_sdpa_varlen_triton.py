@@ -233,6 +233,21 @@ def test_nonpositive_scale_refused():
 
 
 @needs_kernels
+def test_splits_stay_within_target_ctas():
+    """A long decode's splits make at most ``Tuning.target_ctas`` programs (items x KV heads): at
+    32 KV heads 264 // 32 = 8 items, not 9 (288 programs, two per SM of an H200, would leave 24
+    for a second round)."""
+    tuning = K.Tuning()
+    for hkv in (8, 16, 32):  # (at 2, min_chunk bounds the splits first)
+        args = make_step([dict(col=0, n_keys=32768, n_q=1)], columns=1, rows=32768, hq=hkv, hkv=hkv, d=16, seed=hkv)
+        geo = K.geometry_of(args[0], args[1], args[2], 1, tuning)
+        plan = K.plan_impl(args[3], args[4], args[5], 1, True, 0, geo).cpu()
+        programs = int(plan[int(K.H_ITEMS)]) * hkv
+        # most of the budget used: items hold a whole number of key tiles, so a few less than aimed at
+        assert 0.9 * tuning.target_ctas <= programs <= tuning.target_ctas, f"{hkv} KV heads: {programs} programs"
+
+
+@needs_kernels
 def test_default_tuning_no_split():
     args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=3)
     check(args, 5, True, 0, expect_split=False)

@@ -36,7 +36,7 @@ class Tuning:
     pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
     split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
     # for its own kind (registers, warps); False: one launch for both (registers of the larger path)
-    target_ctas: int = 264  # ~2 programs per SM of an H200 (132 SMs): the splits aim at this many
+    target_ctas: int = 264  # ~2 programs per SM of an H200 (132 SMs): the splits aim at this many, never more
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows);
     # 1024 over 2048: drafts 0.3-5% faster, 5 alternating rounds on the H200 (docs/benchmarks.md, seventh round)
@@ -187,7 +187,10 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     tokb_short, tokb = block_m // g_pad, block_m_long // g_pad
     # upper bounds from shapes only (no host sync); blocks: see the plan kernel
     nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
-    target_items = max(1, -(-tuning.target_ctas // hkv))
+    # rounded down: the programs never pass target_ctas (at 32 KV heads, 9 items would make 288 programs, two per SM
+    # leaving 24 for a second round: 32/32 heads' B=1 L=32k decode ran at 183.6 µs where 8 x 32 programs of the
+    # same 4096 keys, 32/8 heads' B=4, ran at 131.7; docs/benchmarks.md, ninth round)
+    target_items = max(1, tuning.target_ctas // hkv)
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
     mlist_off = tickets_off + target_items * hkv
