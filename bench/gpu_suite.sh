@@ -3,7 +3,8 @@
 # side by side. The suite is bound by Triton compiles (each kernel variant ~10-20 s of one core: a test
 # compiles the plan, attention and merge kernels for its own heads, dtype and Tuning), so it runs as
 # SHARDS processes; each stops at LIMIT seconds. Writes $OUT/shard*.log (pytest -v, durations) and
-# $OUT/summary.txt: every test id with PASSED / FAILED / SKIPPED / ERROR or 'not run (limit)'.
+# $OUT/summary.txt: every test id with PASSED / FAILED / SKIPPED / ERROR or NOT-RUN (its shard stopped first:
+# at the limit, exit 124, or a crash; each shard's exit status is printed).
 #   SHARDS=8 LIMIT=540 bash bench/gpu_suite.sh [-k EXPRESSION]
 # Exit status: 0 only when every collected test ran and none failed.
 set -uo pipefail
@@ -30,9 +31,10 @@ wait
 : > "$OUT/summary.txt"
 while read -r id; do
   result=$(cat "$OUT"/shard*.log | awk -v id="$id" '$1 == id && $2 ~ /^(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)$/ {print $2; exit}')
-  echo "${result:-not run (limit)} $id" >> "$OUT/summary.txt"
+  echo "${result:-NOT-RUN} $id" >> "$OUT/summary.txt"
 done < "$OUT/ids.txt"
 grep -hE "^[0-9.]+s (call|setup)" "$OUT"/shard*.log | sort -rn | head -12
-sed 's/ tests\/.*//' "$OUT/summary.txt" | sort | uniq -c
+for f in "$OUT"/shard*.log; do echo "$(basename "$f" .log): $(tail -1 "$f")"; done
+awk '{print $1}' "$OUT/summary.txt" | sort | uniq -c
 grep -vE "^(PASSED|SKIPPED)" "$OUT/summary.txt" || true
 ! grep -qvE "^(PASSED|SKIPPED)" "$OUT/summary.txt"
