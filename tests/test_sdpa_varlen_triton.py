@@ -232,6 +232,14 @@ def test_nonpositive_scale_refused():
         K.attend_impl(args[0], args[1], args[2], torch.zeros(geo.plan_len, dtype=torch.int32), 5, -0.5, True, 0, geo)
 
 
+def _item_lengths(args, columns, tuning):
+    """The plan's item key counts and its header, for a causal step."""
+    geo = K.geometry_of(args[0], args[1], args[2], columns, tuning)
+    plan = K.plan_impl(args[3], args[4], args[5], columns, True, 0, geo).cpu()
+    recs = plan[geo.rec_off: geo.rec_off + int(plan[int(K.H_ITEMS)]) * K.NBF].view(-1, K.NBF)
+    return (recs[:, int(K.F_KEND)] - recs[:, int(K.F_KSTART)]).tolist(), plan[:K.HDR].tolist(), geo
+
+
 @needs_kernels
 def test_splits_stay_within_target_ctas():
     """A long decode's splits make at most ``Tuning.target_ctas`` programs (items x KV heads): at
@@ -240,11 +248,37 @@ def test_splits_stay_within_target_ctas():
     tuning = K.Tuning()
     for hkv in (8, 16, 32):  # (at 2, min_chunk bounds the splits first)
         args = make_step([dict(col=0, n_keys=32768, n_q=1)], columns=1, rows=32768, hq=hkv, hkv=hkv, d=16, seed=hkv)
-        geo = K.geometry_of(args[0], args[1], args[2], 1, tuning)
-        plan = K.plan_impl(args[3], args[4], args[5], 1, True, 0, geo).cpu()
-        programs = int(plan[int(K.H_ITEMS)]) * hkv
+        programs = len(_item_lengths(args, 1, tuning)[0]) * hkv
         # most of the budget used: items hold a whole number of key tiles, so a few less than aimed at
         assert 0.9 * tuning.target_ctas <= programs <= tuning.target_ctas, f"{hkv} KV heads: {programs} programs"
+
+
+@needs_kernels
+def test_item_cap():
+    """Tuning.item_cap: a long sequence among short ones is cut so that no item passes item_cap
+    nominal chunks (visible keys / target items, rounded up to the key tile), where the split in
+    proportion to each block's share leaves longer ones; the output still matches float64.  Blocks
+    just over the cap take up to twice the target's partial slots (the scratch and tickets for it)."""
+    small = dict(dec_block_n=16, pre_block_n=16, long_block_n=16, target_ctas=16, min_chunk=16, min_chunk_multi=16)
+    seqs = ([dict(col=0, n_keys=200, start_row=30, n_q=1)] + [dict(col=c, n_keys=40 + 8 * c, n_q=1) for c in range(1, 6)]
+            + [dict(col=6, n_keys=60, n_q=3)])  # a long decode, five short ones, a 3-token draft block
+    args = make_step(seqs, columns=7, rows=256, hq=4, hkv=2, d=16, seed=21)
+    for cap in (0.0, 1.0):
+        tuning = K.Tuning(**small, item_cap=cap)
+        lengths, hdr, geo = _item_lengths(args, 7, tuning)
+        nominal = -(-hdr[int(K.H_TOTAL)] // geo.target_items)
+        bound = -(-nominal // 16) * 16
+        assert (max(lengths) <= bound) == (cap > 0), f"item_cap={cap}: items {lengths}, nominal chunk {nominal}"
+        check(args, 7, True, 0, expect_split=True, tuning=tuning)
+    # seven equal decodes of 8/7 nominal chunks: each cut in two, 14 partial slots of the 16 a cap allows
+    args = make_step([dict(col=c, n_keys=64, start_row=8 * c, n_q=1) for c in range(7)], columns=7, rows=96,
+                     hq=4, hkv=2, d=16, seed=22)
+    tuning = K.Tuning(**small, item_cap=1.0)
+    lengths, hdr, geo = _item_lengths(args, 7, tuning)
+    assert lengths == [32] * 14 and hdr[int(K.H_PSLOTS)] == 14 > geo.target_items == 8, (lengths, hdr)
+    check(args, 7, True, 0, expect_split=True, tuning=tuning)
+    with pytest.raises(ValueError, match=r"item_cap=0.5: 0 \(off\) or a number >= 1"):
+        K.Tuning(item_cap=0.5)
 
 
 @needs_kernels

@@ -29,6 +29,7 @@ SWEEP = [
     ("decode pipeline", "dec", [dict(dec_stages=3), dict(dec_stages=4), dict(dec_stages=2)]),
     ("long blocks", "pre", [dict(long_block_m=128), dict(long_block_m=0), dict(long_block_m=128, long_stages=4),
                             dict(long_block_m=128, long_block_n=128, long_stages=2)]),
+    ("item cap", "dec", [dict(item_cap=0.0), dict(item_cap=1.5), dict(item_cap=1.25), dict(item_cap=1.0)]),
     ("descriptor loads", "all", [dict(tma_paths=0), dict(tma_paths=7), dict(tma_paths=6), dict(tma_paths=4)]),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)]),

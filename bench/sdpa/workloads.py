@@ -124,12 +124,14 @@ def sweep_cases():
     hq, hkv, d = HEADS[0]
     lens = lognormal_lengths(256, 2048, 4 * 2048)
     lens16 = lognormal_lengths(16, 8192, 4 * 8192)
+    lens64 = lognormal_lengths(64, 2048, 4 * 2048)
     dec = [Work("decode B=1 L=32k", hq, hkv, d, [(32768, 1, 0)], True),
            Work("decode B=1 L=128k", hq, hkv, d, [(131072, 1, 0)], True),
            Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
            Work("decode B=256 L=2k", hq, hkv, d, [(2048, 1, 0)] * 256, True),
            Work("skewed B=256 L~2k", hq, hkv, d, [(n, 1, 0) for n in lens], True, rows=max(lens)),
            Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16)),
+           Work("skewed B=64 L~2k", hq, hkv, d, [(n, 1, 0) for n in lens64], True, rows=max(lens64)),
            Work("decode B=4 L=32k", hq, hkv, d, [(32768, 1, 0)] * 4, True)]
     pre = [Work("draft16 B=4 L=8k", hq, hkv, d, [(8192, 16, 0)] * 4, False),
            Work("draft16 B=8 L=8k", hq, hkv, d, [(8192, 16, 0)] * 8, False),

@@ -21,6 +21,8 @@ from .ops import geometry_of, sdpa_varlen_attend, sdpa_varlen_plan, sdpa_varlen_
 from .plan import (
     F_CHUNK,
     F_ITEM0,
+    F_KEND,
+    F_KSTART,
     F_N0,
     F_NSPLIT,
     F_NTOK,
@@ -42,7 +44,7 @@ from .plan import (
 from .tuning import DEFAULT, Geometry, Tuning, geometry
 
 __all__ = [
-    "DEFAULT", "F_CHUNK", "F_ITEM0", "F_N0", "F_NSPLIT", "F_NTOK", "F_POS0", "F_POS1",
+    "DEFAULT", "F_CHUNK", "F_ITEM0", "F_KEND", "F_KSTART", "F_N0", "F_NSPLIT", "F_NTOK", "F_POS0", "F_POS1",
     "F_ROW0", "F_ROW1", "Geometry", "HDR", "H_BLOCKS", "H_CHUNK", "H_ITEMS", "H_MULTI_SPLITS",
     "H_PSLOTS", "H_SPLIT_BLOCKS", "H_TOTAL", "NBF", "Tuning", "attend_impl", "geometry", "geometry_of", "interpreted",
     "plan_impl", "sdpa_varlen_attend", "sdpa_varlen_plan", "sdpa_varlen_triton", "sdpa_varlen_triton_impl",

@@ -92,7 +92,7 @@ def _plan_kernel(
     q_pos, q_cols, seq_info, plan, col_seg,
     T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, N_MLIST, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, TOKB: tl.constexpr,
-    BN: tl.constexpr, CH: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr,
+    BN: tl.constexpr, CH: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr, CAP_PERMILLE: tl.constexpr,
 ):
     offs = tl.arange(0, CH)
     blk = plan + HDR
@@ -185,9 +185,11 @@ def _plan_kernel(
     tl.debug_barrier()
     # P4: items per block, in proportion to its share of the visible keys (target items in
     # all; at least one, none shorter than MIN_CHUNK_K keys, MIN_CHUNK_MULTI for
-    # multi-token blocks), the block's keys cut evenly
-    # into them; first item and first partial slot of each block.  A split block has
-    # share >= 2 items, so split items (partial slots) never exceed TARGET.
+    # multi-token blocks) and, with CAP_PERMILLE, at least enough that none is longer than
+    # CAP nominal chunks; the block's keys cut evenly into them; first item and first partial
+    # slot of each block.  A split block has share x >= 2 items, so split items (partial
+    # slots) never exceed TARGET; one cut by the cap (x > CAP >= 1) has ceil(x / CAP) < 2x,
+    # so fewer than 2 TARGET in all (geometry's n_pslots); items stay below TARGET + blocks.
     n_items = tl.full([], 0, tl.int32)
     n_pslots = tl.full([], 0, tl.int32)
     n_split = tl.full([], 0, tl.int32)
@@ -199,6 +201,9 @@ def _plan_kernel(
         work = tl.load(bp + F_N0, mask=bv, other=0, volatile=True) + tl.load(bp + F_N1, mask=bv, other=0, volatile=True)
         multi = tl.load(bp + F_NTOK, mask=bv, other=1, volatile=True) > 1
         share = (work.to(tl.int64) * TARGET // tl.maximum(total, 1)).to(tl.int32)
+        if CAP_PERMILLE > 0:  # and none longer than CAP nominal chunks: ceil(work / (CAP * total / TARGET))
+            den = tl.maximum(total, 1) * CAP_PERMILLE
+            share = tl.maximum(share, ((work.to(tl.int64) * TARGET * 1000 + den - 1) // den).to(tl.int32))
         ns = tl.maximum(tl.minimum(share, work // tl.where(multi, MIN_CHUNK_MULTI, MIN_CHUNK_K)), 1)
         chunk = tl.maximum((((work + ns - 1) // ns + BN - 1) // BN) * BN, BN)
         ns = tl.where(bv, tl.maximum((work + chunk - 1) // chunk, 1), 0)
@@ -263,6 +268,6 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
         geo.n_mlist,
         geo.target_items, geo.min_chunk, geo.min_chunk_multi,
         CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=tile, CH=geo.plan_width,
-        NBF=NBF, HDR=HDR, num_warps=geo.plan_warps,
+        NBF=NBF, HDR=HDR, CAP_PERMILLE=geo.item_cap_permille, num_warps=geo.plan_warps,
     )
     return plan

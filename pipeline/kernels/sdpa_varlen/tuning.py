@@ -38,6 +38,9 @@ class Tuning:
     # for its own kind (registers, warps); False: one launch for both (registers of the larger path)
     target_ctas: int = 264  # ~2 programs per SM of an H200 (132 SMs): the splits aim at this many, never more
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
+    item_cap: float = 0.0  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
+    # at), besides the split in proportion to each block's share, which leaves a block of up to twice the nominal chunk
+    # whole: a long sequence among short ones is cut (skewed steps; up to twice the partial slots).  0: off (untimed)
     min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows);
     # 1024 over 2048: drafts 0.3-5% faster, 5 alternating rounds on the H200 (docs/benchmarks.md, seventh round)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
@@ -67,6 +70,8 @@ class Tuning:
         if not 0 <= self.tma_paths <= 7:
             raise ValueError(f"Tuning.tma_paths={self.tma_paths}: a bit mask of paths (1 decode, 2 multi-token, "
                              "4 long), 0 .. 7, is allowed")
+        if self.item_cap != 0 and not self.item_cap >= 1:
+            raise ValueError(f"Tuning.item_cap={self.item_cap}: 0 (off) or a number >= 1 is allowed")
         if self.long_min_tokens < 0:
             raise ValueError(f"Tuning.long_min_tokens={self.long_min_tokens}: a non-negative integer is allowed")
         for name in ("dec_stages", "pre_stages", "long_stages", "dec_warps", "pre_warps", "long_warps", "target_ctas",
@@ -124,9 +129,11 @@ class Geometry:
     merge_rows: int  # rows of a program of the merge launch (<= block_m)
     spl_launch: int  # partial slots merged per load by the merge launch
     tma_paths: int  # Tuning's, bits of the paths
-    target_items: int  # items the splits aim at (per KV head); also the most partial slots
+    target_items: int  # items the splits aim at (per KV head)
+    item_cap_permille: int  # Tuning.item_cap x 1000 (0: off)
+    n_pslots: int  # most partial slots: target_items, twice that with item_cap (plan.py: why)
     n_tickets: int  # one merge ticket per (partial slot, KV head)
-    n_mlist: int  # entries of the plan's split list: a split block has >= 2 of the target_items partial slots
+    n_mlist: int  # most entries of the plan's split list (split blocks)
     nb_max: object  # most blocks
     w_max: object  # most items (the attention grid)
     tickets_off: object  # offsets in the plan (plan.py: its layout)
@@ -193,8 +200,11 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     target_items = max(1, tuning.target_ctas // hkv)
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
-    mlist_off = tickets_off + target_items * hkv
-    n_mlist = target_items // 2 + 1
+    # a block split in proportion to its share has >= 2 of the target_items partial slots; one cut by item_cap, more
+    # than item_cap >= 1 nominal chunks: fewer than twice its share of them (plan.py, P4)
+    n_pslots = 2 * target_items if tuning.item_cap else target_items
+    mlist_off = tickets_off + n_pslots * hkv
+    n_mlist = target_items if tuning.item_cap else target_items // 2 + 1
     rec_off = mlist_off + n_mlist
     wide = elem_bytes > 2
     plan_width = _plan_width(n_tok, columns, target_items, tuning)
@@ -217,6 +227,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         merge_launch=tuning.merge_launch, merge_rows=merge_rows,
         spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
         tma_paths=tuning.tma_paths,
-        target_items=target_items, n_tickets=target_items * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
+        target_items=target_items, item_cap_permille=round(tuning.item_cap * 1000), n_pslots=n_pslots,
+        n_tickets=n_pslots * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
         tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
