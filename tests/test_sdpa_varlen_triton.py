@@ -277,8 +277,9 @@ def test_item_cap():
     lengths, hdr, geo = _item_lengths(args, 7, tuning)
     assert lengths == [32] * 14 and hdr[int(K.H_PSLOTS)] == 14 > geo.target_items == 8, (lengths, hdr)
     check(args, 7, True, 0, expect_split=True, tuning=tuning)
-    with pytest.raises(ValueError, match=r"item_cap=0.5: 0 \(off\) or a number >= 1"):
-        K.Tuning(item_cap=0.5)
+    for bad in (0.5, float("inf")):
+        with pytest.raises(ValueError, match=r"item_cap=.*: 0 \(off\) or a number from 1 to 1000"):
+            K.Tuning(item_cap=bad)
 
 
 @needs_kernels

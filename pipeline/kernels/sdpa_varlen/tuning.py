@@ -70,8 +70,8 @@ class Tuning:
         if not 0 <= self.tma_paths <= 7:
             raise ValueError(f"Tuning.tma_paths={self.tma_paths}: a bit mask of paths (1 decode, 2 multi-token, "
                              "4 long), 0 .. 7, is allowed")
-        if self.item_cap != 0 and not self.item_cap >= 1:
-            raise ValueError(f"Tuning.item_cap={self.item_cap}: 0 (off) or a number >= 1 is allowed")
+        if self.item_cap != 0 and not 1 <= self.item_cap <= 1000:
+            raise ValueError(f"Tuning.item_cap={self.item_cap}: 0 (off) or a number from 1 to 1000 is allowed")
         if self.long_min_tokens < 0:
             raise ValueError(f"Tuning.long_min_tokens={self.long_min_tokens}: a non-negative integer is allowed")
         for name in ("dec_stages", "pre_stages", "long_stages", "dec_warps", "pre_warps", "long_warps", "target_ctas",
