@@ -40,7 +40,8 @@ class Tuning:
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     item_cap: float = 0.0  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
     # at), besides the split in proportion to each block's share, which leaves a block of up to twice the nominal chunk
-    # whole: a long sequence among short ones is cut (skewed steps; up to twice the partial slots).  0: off (untimed)
+    # whole: a long sequence among short ones is cut (skewed steps; up to twice the partial slots).  0: off (untimed;
+    # bench/split_model.py: 1.5 cuts skewed B=16 steps ~20%, but also uniform steps of T/2 .. T/1.5 blocks past a wave)
     min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows);
     # 1024 over 2048: drafts 0.3-5% faster, 5 alternating rounds on the H200 (docs/benchmarks.md, seventh round)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
