@@ -255,28 +255,23 @@ def test_splits_stay_within_target_ctas():
 
 @needs_kernels
 def test_item_cap():
-    """Tuning.item_cap: a long sequence among short ones is cut so that no item passes item_cap
-    nominal chunks (visible keys / target items, rounded up to the key tile), where the split in
-    proportion to each block's share leaves longer ones; the output still matches float64.  Blocks
-    just over the cap take up to twice the target's partial slots (the scratch and tickets for it)."""
+    """Tuning.item_cap: a block between one and two nominal chunks (visible keys / target items),
+    which the split in proportion to its share leaves as items longer than the chunk, is cut so
+    that none passes item_cap chunks (rounded up to the key tile), where the step's items then stay
+    within one wave (the target); the output still matches float64."""
     small = dict(dec_block_n=16, pre_block_n=16, long_block_n=16, target_ctas=16, min_chunk=16, min_chunk_multi=16)
-    seqs = ([dict(col=0, n_keys=200, start_row=30, n_q=1)] + [dict(col=c, n_keys=40 + 8 * c, n_q=1) for c in range(1, 6)]
-            + [dict(col=6, n_keys=60, n_q=3)])  # a long decode, five short ones, a 3-token draft block
-    args = make_step(seqs, columns=7, rows=256, hq=4, hkv=2, d=16, seed=21)
-    for cap in (0.0, 1.0):
+    # three decodes (8 target items at 2 KV heads): 508 keys, a nominal chunk of 64; 190 keys -> 2 items of 96 by share
+    args = make_step([dict(col=0, n_keys=256, start_row=40, n_q=1), dict(col=1, n_keys=62, n_q=1),
+                      dict(col=2, n_keys=190, start_row=100, n_q=1)], columns=3, rows=320, hq=4, hkv=2, d=16, seed=21)
+    for cap, longest in ((0.0, 96), (1.0, 64)):
         tuning = K.Tuning(**small, item_cap=cap)
-        lengths, hdr, geo = _item_lengths(args, 7, tuning)
-        nominal = -(-hdr[int(K.H_TOTAL)] // geo.target_items)
-        bound = -(-nominal // 16) * 16
-        assert (max(lengths) <= bound) == (cap > 0), f"item_cap={cap}: items {lengths}, nominal chunk {nominal}"
-        check(args, 7, True, 0, expect_split=True, tuning=tuning)
-    # seven equal decodes of 8/7 nominal chunks: each cut in two, 14 partial slots of the 16 a cap allows
+        lengths, hdr, geo = _item_lengths(args, 3, tuning)
+        assert max(lengths) == longest and len(lengths) <= geo.target_items, f"item_cap={cap}: items {lengths}"
+        check(args, 3, True, 0, expect_split=True, tuning=tuning)
+    # seven decodes of 8/7 chunks: cut in two they would make 14 items, past the wave of 8: left whole
     args = make_step([dict(col=c, n_keys=64, start_row=8 * c, n_q=1) for c in range(7)], columns=7, rows=96,
                      hq=4, hkv=2, d=16, seed=22)
-    tuning = K.Tuning(**small, item_cap=1.0)
-    lengths, hdr, geo = _item_lengths(args, 7, tuning)
-    assert lengths == [32] * 14 and hdr[int(K.H_PSLOTS)] == 14 > geo.target_items == 8, (lengths, hdr)
-    check(args, 7, True, 0, expect_split=True, tuning=tuning)
+    assert _item_lengths(args, 7, K.Tuning(**small, item_cap=1.0))[0] == [64] * 7
     for bad in (0.5, float("inf")):
         with pytest.raises(ValueError, match=r"item_cap=.*: 0 \(off\) or a number from 1 to 1000"):
             K.Tuning(item_cap=bad)

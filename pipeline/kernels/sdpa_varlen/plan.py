@@ -88,6 +88,29 @@ def _trim_segment(seq_info, s, lo, hi_):
 
 
 @triton.jit
+def _block_work(bp, bv):
+    """Visible keys of the blocks at bp (both segments) and whether each holds several tokens."""
+    work = tl.load(bp + F_N0, mask=bv, other=0, volatile=True) + tl.load(bp + F_N1, mask=bv, other=0, volatile=True)
+    return work, tl.load(bp + F_NTOK, mask=bv, other=1, volatile=True) > 1
+
+
+@triton.jit
+def _block_items(work, multi, total, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI, cap_on, BN: tl.constexpr,
+                 CAP_PERMILLE: tl.constexpr):
+    """Items of each block and its keys per item (whole key tiles): its share of TARGET items,
+    rounded down, and where cap_on at least ceil(work / (CAP * total / TARGET)); at least one,
+    none shorter than the least chunk."""
+    share = (work.to(tl.int64) * TARGET // tl.maximum(total, 1)).to(tl.int32)
+    if CAP_PERMILLE > 0:
+        den = tl.maximum(total, 1) * CAP_PERMILLE
+        capped = ((work.to(tl.int64) * TARGET * 1000 + den - 1) // den).to(tl.int32)
+        share = tl.where(cap_on, tl.maximum(share, capped), share)
+    ns = tl.maximum(tl.minimum(share, work // tl.where(multi, MIN_CHUNK_MULTI, MIN_CHUNK_K)), 1)
+    chunk = tl.maximum((((work + ns - 1) // ns + BN - 1) // BN) * BN, BN)
+    return tl.maximum((work + chunk - 1) // chunk, 1), chunk
+
+
+@triton.jit
 def _plan_kernel(
     q_pos, q_cols, seq_info, plan, col_seg,
     T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, N_MLIST, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
@@ -186,10 +209,21 @@ def _plan_kernel(
     # P4: items per block, in proportion to its share of the visible keys (target items in
     # all; at least one, none shorter than MIN_CHUNK_K keys, MIN_CHUNK_MULTI for
     # multi-token blocks) and, with CAP_PERMILLE, at least enough that none is longer than
-    # CAP nominal chunks; the block's keys cut evenly into them; first item and first partial
-    # slot of each block.  A split block has share x >= 2 items, so split items (partial
-    # slots) never exceed TARGET; one cut by the cap (x > CAP >= 1) has ceil(x / CAP) < 2x,
-    # so fewer than 2 TARGET in all (geometry's n_pslots); items stay below TARGET + blocks.
+    # CAP nominal chunks if all the step's items then fit in one wave (TARGET: past it, cutting
+    # blocks just over the cap would add a round of programs); the block's keys cut evenly
+    # into them; first item and first partial slot of each block.  A split block has share
+    # >= 2 items, so split items (partial slots) never exceed TARGET (with the cap, all items
+    # are within TARGET); items stay below TARGET + blocks.
+    cap_on = False
+    if CAP_PERMILLE > 0:  # the cap only where the capped items stay within one wave (TARGET per KV head)
+        capped = tl.full([], 0, tl.int32)
+        for base in range(0, nb, CH):
+            b = base + offs
+            bv = b < nb
+            work, multi = _block_work(blk + b * NBF, bv)
+            ns, _ = _block_items(work, multi, total, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI, True, BN, CAP_PERMILLE)
+            capped += tl.sum(tl.where(bv, ns, 0), 0)
+        cap_on = capped <= TARGET
     n_items = tl.full([], 0, tl.int32)
     n_pslots = tl.full([], 0, tl.int32)
     n_split = tl.full([], 0, tl.int32)
@@ -198,15 +232,9 @@ def _plan_kernel(
         b = base + offs
         bv = b < nb
         bp = blk + b * NBF
-        work = tl.load(bp + F_N0, mask=bv, other=0, volatile=True) + tl.load(bp + F_N1, mask=bv, other=0, volatile=True)
-        multi = tl.load(bp + F_NTOK, mask=bv, other=1, volatile=True) > 1
-        share = (work.to(tl.int64) * TARGET // tl.maximum(total, 1)).to(tl.int32)
-        if CAP_PERMILLE > 0:  # and none longer than CAP nominal chunks: ceil(work / (CAP * total / TARGET))
-            den = tl.maximum(total, 1) * CAP_PERMILLE
-            share = tl.maximum(share, ((work.to(tl.int64) * TARGET * 1000 + den - 1) // den).to(tl.int32))
-        ns = tl.maximum(tl.minimum(share, work // tl.where(multi, MIN_CHUNK_MULTI, MIN_CHUNK_K)), 1)
-        chunk = tl.maximum((((work + ns - 1) // ns + BN - 1) // BN) * BN, BN)
-        ns = tl.where(bv, tl.maximum((work + chunk - 1) // chunk, 1), 0)
+        work, multi = _block_work(bp, bv)
+        ns, chunk = _block_items(work, multi, total, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI, cap_on, BN, CAP_PERMILLE)
+        ns = tl.where(bv, ns, 0)
         start = n_items + tl.cumsum(ns, 0) - ns
         is_split = bv & (ns > 1)
         nsp = tl.where(is_split, ns, 0)

@@ -40,8 +40,8 @@ class Tuning:
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     item_cap: float = 0.0  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
     # at), besides the split in proportion to each block's share, which leaves a block of up to twice the nominal chunk
-    # whole: a long sequence among short ones is cut (skewed steps; up to twice the partial slots).  0: off (untimed;
-    # bench/split_model.py: 1.5 cuts skewed B=16 steps ~20%, but also uniform steps of T/2 .. T/1.5 blocks past a wave)
+    # whole: a long sequence among short ones is cut (skewed steps), where the step's items then stay within one wave
+    # (target items).  0: off (untimed; bench/split_model.py models 1.5 as ~20% off skewed B=16 steps)
     min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows);
     # 1024 over 2048: drafts 0.3-5% faster, 5 alternating rounds on the H200 (docs/benchmarks.md, seventh round)
     merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
@@ -132,7 +132,7 @@ class Geometry:
     tma_paths: int  # Tuning's, bits of the paths
     target_items: int  # items the splits aim at (per KV head)
     item_cap_permille: int  # Tuning.item_cap x 1000 (0: off)
-    n_pslots: int  # most partial slots: target_items, twice that with item_cap (plan.py: why)
+    n_pslots: int  # most partial slots (target_items)
     n_tickets: int  # one merge ticket per (partial slot, KV head)
     n_mlist: int  # most entries of the plan's split list (split blocks)
     nb_max: object  # most blocks
@@ -201,11 +201,10 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     target_items = max(1, tuning.target_ctas // hkv)
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
-    # a block split in proportion to its share has >= 2 of the target_items partial slots; one cut by item_cap, more
-    # than item_cap >= 1 nominal chunks: fewer than twice its share of them (plan.py, P4)
-    n_pslots = 2 * target_items if tuning.item_cap else target_items
+    # a split block has >= 2 of the items, which stay within target_items where blocks are split (plan.py, P4)
+    n_pslots = target_items
     mlist_off = tickets_off + n_pslots * hkv
-    n_mlist = target_items if tuning.item_cap else target_items // 2 + 1
+    n_mlist = target_items // 2 + 1
     rec_off = mlist_off + n_mlist
     wide = elem_bytes > 2
     plan_width = _plan_width(n_tok, columns, target_items, tuning)
