@@ -285,8 +285,8 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     if geo.tma_paths:
         _check_descriptors(k_store, v_store, columns)
     out = q.new_empty(n_tok, hq, dv)
-    part_o = torch.empty(geo.n_pslots * hkv * geo.part_rows * dv, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(geo.n_pslots * hkv * geo.part_rows * 2, dtype=torch.float32, device=q.device)
+    part_o = torch.empty(geo.target_items * hkv * geo.part_rows * dv, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(geo.target_items * hkv * geo.part_rows * 2, dtype=torch.float32, device=q.device)
     args = (q, k_store, v_store, out, plan, part_o, part_ml,
             q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
             v_store.stride(0), v_store.stride(1), out.stride(0), out.stride(1),

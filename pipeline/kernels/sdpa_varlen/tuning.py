@@ -130,11 +130,10 @@ class Geometry:
     merge_rows: int  # rows of a program of the merge launch (<= block_m)
     spl_launch: int  # partial slots merged per load by the merge launch
     tma_paths: int  # Tuning's, bits of the paths
-    target_items: int  # items the splits aim at (per KV head)
+    target_items: int  # items the splits aim at (per KV head); also the most partial slots (plan.py, P4)
     item_cap_permille: int  # Tuning.item_cap x 1000 (0: off)
-    n_pslots: int  # most partial slots (target_items)
     n_tickets: int  # one merge ticket per (partial slot, KV head)
-    n_mlist: int  # most entries of the plan's split list (split blocks)
+    n_mlist: int  # entries of the plan's split list: a split block has >= 2 of the target_items partial slots
     nb_max: object  # most blocks
     w_max: object  # most items (the attention grid)
     tickets_off: object  # offsets in the plan (plan.py: its layout)
@@ -201,9 +200,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     target_items = max(1, tuning.target_ctas // hkv)
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
-    # a split block has >= 2 of the items, which stay within target_items where blocks are split (plan.py, P4)
-    n_pslots = target_items
-    mlist_off = tickets_off + n_pslots * hkv
+    mlist_off = tickets_off + target_items * hkv
     n_mlist = target_items // 2 + 1
     rec_off = mlist_off + n_mlist
     wide = elem_bytes > 2
@@ -227,7 +224,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         merge_launch=tuning.merge_launch, merge_rows=merge_rows,
         spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
         tma_paths=tuning.tma_paths,
-        target_items=target_items, item_cap_permille=round(tuning.item_cap * 1000), n_pslots=n_pslots,
-        n_tickets=n_pslots * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
+        target_items=target_items, item_cap_permille=round(tuning.item_cap * 1000),
+        n_tickets=target_items * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
         tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
