@@ -590,3 +590,77 @@ def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
     stats = validate.run_episode(session, model, scripts, causal=True)
     assert stats["decode_steps"] > 0 and stats["mixed_steps"] > 0
     assert max(max(s.errors) for s in scripts) < 1e-4
+
+
+# ------------------------------------------------------------------ the GPU benchmark's own calls
+def _bench_modules(monkeypatch):
+    """bench/sdpa's workloads and calls, their tensors made on this test's device."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    monkeypatch.syspath_prepend(root)
+    from bench.sdpa import ours, versions, workloads
+
+    monkeypatch.setattr(workloads, "DEV", DEVICE)
+    return ours, versions, workloads
+
+
+@needs_kernels
+@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py makes these calls itself; the suite is bound by compiles")
+def test_bench_workloads_and_calls(monkeypatch):
+    """What bench/sdpa_varlen.py times, on small cases of each of its kinds (uniform, skewed and
+    wrapped decodes, a non-causal draft block, a prefill chunk over history, a mixed step): its
+    inputs (``Work.ours_inputs``) describe the step it names, its pair and byte counts (the table's
+    TFLOP/s and TB/s) are those of that step, and its calls (``ours_calls``, split plans) and an
+    earlier version loaded as ``--compare`` loads one (here this package's own directory) give
+    attention within bf16 tolerance of the float64 reference."""
+    ours, versions, workloads = _bench_modules(monkeypatch)
+    Work = workloads.Work
+    lens = workloads.lognormal_lengths(5, 24, 96)
+    cases = [Work("uniform", 4, 2, 16, [(37, 1, 0)] * 3, True),
+             Work("skewed", 4, 2, 16, [(n, 1, 0) for n in lens], True, rows=max(lens)),
+             Work("wrapped", 4, 2, 16, [(40, 1, s) for s in (13, 1, 39)], True),
+             Work("draft", 8, 2, 16, [(45, 5, 0)] * 2, False),
+             Work("prefill", 4, 1, 16, [(70, 30, 0)], True),
+             Work("mixed", 4, 2, 16, [(40, 1, 0)] * 3 + [(40, 20, 0)], True)]
+    prev = versions.load_module(os.path.dirname(K.__file__))
+    for w in cases:
+        inputs = w.ours_inputs(2)
+        q, kvs, q_pos, q_cols, seq_info, cols = inputs
+        assert len(set(lens)) > 1 and cols == w.B and q.shape == (w.T, w.hq, w.d)
+        # the step it names: each sequence's keys at positions 0..n-1 from its start row on, wrapping
+        pairs = 0
+        for c, (n, nq, r0) in enumerate(w.seqs):
+            segs = [s for s in seq_info.tolist() if s[0] == c and s[2] > 0]
+            rows_pos = sorted((p0 + i, (r + i)) for _, r, cnt, p0 in segs for i in range(cnt))
+            assert rows_pos == [(p, (r0 + p) % w.rows) for p in range(n)], w.name
+            qp = q_pos[q_cols == c].tolist()
+            assert qp == list(range(n - nq, n))
+            pairs += sum(p + 1 if w.causal else n for p in qp)
+        assert pairs == w.pairs and w.kv_read == sum(n for n, _, _ in w.seqs) * w.hkv * w.d * 4
+        fns, plan_call, plan = ours.ours_calls(w, tuning=SMALL["tuning"], inputs=inputs)
+        assert int(plan[int(K.H_SPLIT_BLOCKS)]) > 0, f"{w.name}: no split block"  # the split path is timed
+        prev_fns = ours.ours_calls(w, prev, inputs=inputs)[0]
+        for (k, v), fn, prev_fn in zip(kvs, fns, prev_fns, strict=True):
+            r64 = ref64(q, k, v, q_pos, q_cols, seq_info, cols, 1 / math.sqrt(w.d), w.causal, w.window)
+            for got in (fn(), prev_fn()):
+                err = (got.double().cpu() - r64).abs().max().item()
+                assert err <= TOL[torch.bfloat16], f"{w.name}: max err vs float64 {err}"
+
+
+@needs_kernels
+@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py makes these calls itself; the suite is bound by compiles")
+def test_bench_numerics_and_goals(monkeypatch):
+    """The benchmark report's numerics rows (``numerics``: ours and PyTorch's bf16 SDPA against
+    fp32 math SDPA on the bench's own inputs, here small) and its goals marked met or not."""
+    _bench_modules(monkeypatch)
+    from bench import sdpa_varlen as bench
+    from bench.sdpa import report
+
+    monkeypatch.setattr(bench, "DEV", DEVICE)
+    for hq, hkv, n, nq, b in [(4, 2, 40, 1, 3), (4, 2, 40, 9, 1), (8, 2, 33, 4, 2)]:
+        ours_err, torch_err = bench.numerics(hq, hkv, 16, n, nq, b)
+        assert ours_err <= TOL[torch.bfloat16] and 0 < torch_err <= TOL[torch.bfloat16], (hq, nq, ours_err, torch_err)
+    # the eighth round's B=1 row (45.4 µs, 2.96 TB/s, SDPA 39.6 µs): not met; at 3.5 TB/s and 0.96x, met
+    row = dict(name=report.GOALS[0][0], ours=45.4, tbs=2.96, plan=9.0, peers={"sdpa": (39.6, "")})
+    assert report.goals([row])[2].endswith("| no |")
+    assert report.goals([dict(row, tbs=3.5, ours=41.2)])[2].endswith("| yes |")
+    assert "not measured" in report.goals([])[2]
