@@ -31,17 +31,13 @@ CONFIGS = [
 def estimate(overrides) -> dict:
     from hydra import compose, initialize_config_dir
 
+    from pipeline.build.plan import plan_of
     from pipeline.config import register
-    from pipeline.feasibility import memory_estimate
-    from pipeline.kv.layouts import build_layout
-    from pipeline.models.args import model_args
-    from pipeline.runner import resolve_model
 
     register()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
-        cfg = resolve_model(compose("config", overrides=list(overrides)), list(overrides))
-    args = model_args(cfg.model)
-    return memory_estimate({"target": build_layout(cfg.kv, args)}, args, cfg.model.dtype)
+        plan = plan_of(compose("config", overrides=list(overrides)), list(overrides))
+    return plan.memory
 
 
 def peak_rss(overrides) -> tuple[float, float]:

@@ -28,7 +28,7 @@ def build(layout: str, seqs: int, root: str) -> Path:
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import register
-    from pipeline.runner import build as run_build
+    from pipeline.build.runner import build as run_build
 
     register()
     conf = str(Path(__file__).resolve().parent.parent / "conf")

@@ -48,8 +48,8 @@ def main() -> None:
 
     from pipeline.models.tokenizer import load_tokenizer
     from pipeline.quant import quantize
-    from pipeline.runner import resolve_model
-    from pipeline.stages.export import build_target
+    from pipeline.build.plan import resolve_model
+    from pipeline.models.methods import build_target
 
     rows = []
     for scheme in ["none", *args.schemes]:

@@ -115,7 +115,7 @@ def run_build(cfg: DictConfig) -> None:
     from hydra.types import RunMode
 
     from pipeline.quiet import filtered_stderr
-    from pipeline.runner import build
+    from pipeline.build.runner import build
 
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -128,7 +128,7 @@ def run_build(cfg: DictConfig) -> None:
     try:
         with filtered_stderr(enabled=not cfg.verbose) as noise:
             if cfg.rebuild:
-                from pipeline.runner import rebuild
+                from pipeline.build.rebuild import rebuild
 
                 version = rebuild(Path(cfg.rebuild))
             else:
@@ -167,7 +167,7 @@ def _measure(cfg: DictConfig, version: Path) -> dict | None:
 
 
 def _record(cfg, hydra_cfg, version, seconds, error, decode) -> None:
-    from pipeline.sweep import job_row, record_job
+    from pipeline.build.sweep import job_row, record_job
 
     job = {"num": hydra_cfg.job.num, "overrides": hydra_cfg.job.override_dirname}
     record_job(Path(hydra_cfg.sweep.dir), job_row(cfg, job, version, seconds, error, decode))

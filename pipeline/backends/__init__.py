@@ -88,8 +88,10 @@ class Backend:
         """Files beside model.pte (.ptd) that the program needs at run time."""
 
     @contextlib.contextmanager
-    def session(self, validate_cfg, sections: dict, inputs: dict, workdir: Path):
-        """The session validate drives through the built program, and a description of its runtime."""
+    def session(self, validate_cfg, inputs: dict, workdir: Path, recipe=None):
+        """The session validate drives through the built program, and a description of its runtime
+        (``recipe``: a picklable call that makes the graphs ``programs`` gives again, for a runtime
+        in another process)."""
         from pipeline.runtime.session import Session
 
         yield Session(workdir), "executorch.runtime (Python bindings), CPU"

@@ -53,19 +53,18 @@ class Cuda(Backend):
         program.write_tensor_data_to_file(str(workdir))  # aoti_cuda_blob.ptd: the library and weights
 
     @contextlib.contextmanager
-    def session(self, validate_cfg, sections: dict, inputs: dict, workdir: Path):
+    def session(self, validate_cfg, inputs: dict, workdir: Path, recipe=None):
         import torch
 
         from pipeline.config import GPU_RUNTIMES
         from pipeline.runtime.aoti import MethodServer
         from pipeline.runtime.session import Session
-        from pipeline.stages.validate import graphs_recipe
 
         gpu = torch.cuda.get_device_name()
         runtime = (f"{validate_cfg.runtime}: the lowered graphs that ExecuTorch's CudaBackend compiles with AOTInductor, "
                    f"rebuilt from the config in a child process (same fingerprint), {GPU_RUNTIMES[validate_cfg.runtime]}, "
                    f"on {gpu} (ExecuTorch's Python runtime has no CUDA backend)")
-        with MethodServer(graphs_recipe(sections), self.programs(inputs["lowered"] | inputs.get("vision_exported", {})),
+        with MethodServer(recipe, self.programs(inputs["lowered"] | inputs.get("vision_exported", {})),
                           device="cuda", runtime=validate_cfg.runtime) as server:
             yield Session(workdir, methods=server.runners), runtime
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.versions import sha256_file
+from pipeline.build.versions import sha256_file
 
 
 def files_under(root: Path) -> dict[str, Path]:

@@ -207,9 +207,11 @@ class KVSpec:
     dtype: str
 
 
-def build_layout(kv_cfg, model_args, causal: bool = True, max_step_tokens: int | None = None) -> KVLayout:
-    """Validate the ``kv`` config against a model and derive its layout: the target's (causal, steps of
-    ``kv.max_step_tokens``) or a draft's (non-causal, its own step width)."""
+def build_layout(kv_cfg, model_args, causal: bool = True, max_step_tokens: int | None = None,
+                 step_width: int | None = None) -> KVLayout:
+    """Validate the ``kv`` config against a model and derive its layout: causal or not, steps of
+    ``max_step_tokens`` (default ``kv.max_step_tokens``), a step method of ``step_width`` tokens (default:
+    the widest step or a decode of every sequence). The build plan calls it once per attending role."""
     name, max_seqs, capacity, step = kv_cfg.layout, kv_cfg.max_seqs, kv_cfg.capacity, kv_cfg.max_step_tokens
     if name not in layout_names():
         raise KVConfigError(f"kv.layout={name} is not a layout; choose {' or '.join(layout_names())}")
@@ -229,27 +231,7 @@ def build_layout(kv_cfg, model_args, causal: bool = True, max_step_tokens: int |
         )
     spec = KVSpec(name, max_seqs, capacity, max_step_tokens or step, causal, kv_cfg.dtype)
     layout = _layout_class(name).build(spec, model_args)
-    return dataclasses.replace(layout, step_width=max(layout.max_step_tokens, max_seqs))
-
-
-def model_layouts(kv_cfg, target_args, causal: bool = True, draft_args=None) -> dict[str, KVLayout]:
-    """Every attending model's layout, by model name: the target's and, with a draft, the draft's (the
-    same kind of layout and sequence count, non-causal; its step holds each sequence's new context
-    rows, at most a block, and its block). The target's step then also verifies a block of every
-    sequence."""
-    layouts = {"target": build_layout(kv_cfg, target_args, causal)}
-    if draft_args is not None:
-        block = draft_args.block_size
-        if block > kv_cfg.max_step_tokens:
-            raise KVConfigError(f"draft.block_size={block} is more than kv.max_step_tokens={kv_cfg.max_step_tokens}: "
-                                "a verification step feeds a block per sequence; raise kv.max_step_tokens or lower "
-                                "draft.block_size")
-        target = layouts["target"]
-        layouts["target"] = dataclasses.replace(target, step_width=max(target.step_width, kv_cfg.max_seqs * block))
-        draft_step = max(kv_cfg.max_step_tokens, 2 * kv_cfg.max_seqs * block)
-        draft = build_layout(kv_cfg, draft_args, causal=False, max_step_tokens=draft_step)
-        layouts["draft"] = dataclasses.replace(draft, step_width=draft_step)
-    return layouts
+    return dataclasses.replace(layout, step_width=step_width or max(layout.max_step_tokens, max_seqs))
 
 
 def layout_from_manifest(kv: dict) -> KVLayout:

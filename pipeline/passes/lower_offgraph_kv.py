@@ -25,13 +25,7 @@ from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_v
 from pipeline.kv.layouts import KVLayout
 from pipeline.kv.op import NEUTRAL_OP
 
-STORE_MODULE = "kv_store"  # the target's stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
-
-
-def store_module(model: str) -> str:
-    """Where a model's stores live (``kv_store``, ``draft_kv_store``): the program shares mutable buffers
-    between methods by name, so each model's layers need names of their own."""
-    return STORE_MODULE if model == "target" else f"{model}_{STORE_MODULE}"
+STORE_MODULE = "kv_store"  # the default stores' module: buffers kv_store.k_<layer>, kv_store.v_<layer>
 
 aten = torch.ops.aten
 
@@ -47,7 +41,10 @@ class MethodInputs:
     args: tuple
     dynamic_shapes: tuple
     token_dim: object  # the torch.export.Dim of the step's token axis (Dim.STATIC when it can only be 1)
-    model: str = "target"  # the model whose KV the method reads and writes
+    # the module holding the stores of the model whose KV the method reads and writes (its role's:
+    # ``kv_store``, ``draft_kv_store``): the program shares mutable buffers between methods by name,
+    # so each model's layers need names of their own
+    store: str | None = STORE_MODULE
     positions_arg: int = 1  # which argument is the step's positions [T]
 
 
@@ -103,7 +100,7 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
     graph.output(env[0] if isinstance(env, (tuple, list)) and len(env) == 1 else env)  # a single output stays single
     gm = fx.GraphModule(module, graph)
     stores = nn.Module()
-    prefix = store_module(inputs.model)
+    prefix = inputs.store
     gm.add_module(prefix, stores)
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

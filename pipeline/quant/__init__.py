@@ -61,8 +61,9 @@ def linear_widths(args) -> dict[str, int]:
     return widths
 
 
-def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str, validate_cfg) -> None:
-    """Refuse a quantization this build cannot make, from the config alone."""
+def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str | None, validate_cfg) -> None:
+    """Refuse a quantization this build cannot make, from the config alone (``draft_name``: the draft's
+    preset, None without one)."""
     scheme = quant_cfg.scheme
     if scheme == "none":
         return
@@ -74,7 +75,7 @@ def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str, valida
     if backend_name != "xnnpack":
         raise ConfigError(f"quant.scheme={scheme} needs backend=xnnpack (its quantized kernels run the weights); "
                           f"backend={backend_name} runs quant=none only")
-    if draft_name != "none":
+    if draft_name is not None:
         raise ConfigError(f"quant.scheme={scheme} with draft={draft_name}: quantized speculative artifacts are not "
                           "built yet (the draft's validation holds greedy output to the unquantized target); use quant=none")
     if model_cfg.dtype != "float32":

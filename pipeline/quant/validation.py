@@ -3,7 +3,7 @@
 
 def quant_report(scripts: list, quant_cfg, validate_cfg) -> tuple[dict, list[str]]:
     """A quantized artifact against the unquantized eager model, step by step (the scheme's cost);
-    ``scripts``: the validation episode's sequences (``pipeline.episode.Script``), their errors and agreements
+    ``scripts``: the validation episode's sequences (``pipeline.validation.episode.Script``), their errors and agreements
     recorded step by step."""
     agreement = _rate([a for s in scripts for a in s.float_agree])
     worst = max(e for s in scripts for e in s.float_errors)

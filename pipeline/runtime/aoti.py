@@ -36,6 +36,7 @@ import torch
 from torch.export import ExportedProgram
 
 from pipeline.config import GPU_RUNTIMES
+from pipeline.models.methods import tensor_bytes
 
 STORE_PREFIX = "kv_store."
 KEPT_OUT = ("executorch.backends", "executorch.extension.pybindings", "executorch.runtime")
@@ -120,12 +121,6 @@ def _graph_text(ep: ExportedProgram) -> str:
     lines += [f"in {spec.kind.name} {spec.target}" for spec in sig.input_specs]
     lines += [f"out {spec.kind.name} {spec.target}" for spec in sig.output_specs]
     return "\n".join(lines)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's elements as raw bytes, for hashing: any dtype (numpy has no bfloat16), any device."""
-    t = t.detach().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def fingerprint(programs: dict[str, ExportedProgram]) -> str:

@@ -45,3 +45,12 @@ def encoder_input(section: dict, px: torch.Tensor) -> torch.Tensor:
 
     config = MuseGlimmerVisionConfig(patch_size=section["patch_size"], patch_temporal=section["patch_temporal"])
     return patchify_image(px[0], config)[0]
+
+
+def splice(embeddings: torch.Tensor, tokens, placeholder: int, features: torch.Tensor, offset: int = 0) -> int:
+    """Write ``features`` over the embeddings [1, T, dim] of the first placeholder tokens of ``tokens``
+    (rows ``offset``.. of the step), in order, as many as there are of both; returns how many it used.
+    The session, the episode's oracles and the eager greedy reference all splice through this."""
+    rows = [offset + i for i, t in enumerate(tokens) if t == placeholder][: len(features)]
+    embeddings[0, rows] = features[: len(rows)].to(embeddings.dtype)
+    return len(rows)

@@ -13,45 +13,67 @@ each keep only what they commit: rows written past a sequence's kept length are 
 (the next step writes over them before any query sees them; the cell layout frees their cells).
 """
 
-import json
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from pipeline.build.manifest import constant_methods, read, sections
+from pipeline.build.roles import DRAFT, EMBED, TARGET, TARGET_STEP, VISION, VISION_ENCODER
 from pipeline.errors import SessionError
-from pipeline.kv.layouts import SeqState, layout_from_manifest
-from pipeline.kv.manifest import EMBED, MODELS, TARGET_STEP, VISION, constant_methods
-from pipeline.runtime.speculation import Round, SpeculativeSteps
+from pipeline.kv.layouts import KVLayout, Pool, SeqState, layout_from_manifest
+from pipeline.runtime.speculation import Round, Speculation
 
-__all__ = ["Round", "Session", "SessionError"]
+__all__ = ["ModelState", "Round", "Session", "SessionError"]
 
 
-class Session(SpeculativeSteps):
+@dataclass
+class ModelState:
+    """One model of the artifact that keeps KV (the target, a draft), as its manifest section says: the
+    layout's index math, its per-session state (the cell pool) and its live sequences."""
+
+    section: dict
+    layout: KVLayout
+    pool: Pool
+    seqs: dict = field(default_factory=dict)  # sequence id -> SeqState
+
+    @classmethod
+    def of(cls, section: dict) -> "ModelState":
+        layout = layout_from_manifest(section)
+        return cls(section, layout, layout.pool())
+
+    def step_buffers(self, order: list[tuple[SeqState, int]], cells: list[int]) -> list[torch.Tensor]:
+        """The step buffers for the step about to run, computed from the state it will leave."""
+        values = self.layout.step_buffer_values(order, cells, self.pool)
+        return [values[b["name"]] for b in self.section["step_buffers"]]
+
+    def commit(self, order: list[tuple[SeqState, int]], cells: list[int]) -> None:
+        """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
+        self.pool.commit(order, cells)
+        for seq, n in order:
+            seq.length += n
+
+
+class Session:
     """``methods`` replaces the ExecuTorch runtime with other runners of the same methods
     (name -> callable(list of inputs) -> list of outputs), e.g. AOTInductor on a GPU."""
 
     def __init__(self, artifact_dir: str | Path, methods: dict | None = None):
         artifact_dir = Path(artifact_dir)
         self.artifact_dir = artifact_dir
-        self.manifest = json.loads((artifact_dir / "manifest.json").read_text())
+        self.manifest = read(artifact_dir)
         self._tokenizer = None
-        self.kv = self.manifest["target"]
-        # the layout's index math and its own state (the cell pool): the session never asks which layout
-        self.kv_layout = layout_from_manifest(self.kv)
-        self.pool = self.kv_layout.pool()
-        # a draft's own KV (non-causal, the same kind of layout), its sequences' states (their lengths lag
-        # the target's by the features not yet given to it) and each sequence's pending target features
-        self.draft_kv = self.manifest.get("draft")
-        self.draft_layout = layout_from_manifest(self.draft_kv) if self.draft_kv else None
-        self.draft_pool = self.draft_layout.pool() if self.draft_kv else None
-        self.block_size = self.draft_kv["block_size"] if self.draft_kv else None
-        self.draft_seqs: dict[object, SeqState] = {}
-        self.pending: dict[object, torch.Tensor] = {}
-        self.acceptance: dict[object, list[int]] = {}  # tokens each speculative round gave a sequence
+        # every model that keeps KV, alike: its layout's index math and its own state (the cell pool);
+        # the session never asks which layout
+        self.models = {name: ModelState.of(section) for name, section in sections(self.manifest).items()
+                       if "layout" in section}
+        target = self.models[TARGET]
+        self.kv, self.kv_layout, self.pool, self.seqs = target.section, target.layout, target.pool, target.seqs
+        # a draft's speculative rounds: its sequences' lengths lag the target's by the features not yet given to it
+        self.speculation = Speculation(self.models[DRAFT]) if DRAFT in self.models else None
         # a vision encoder: each sequence's image features not yet spliced over its placeholder tokens
-        self.vision = self.manifest.get("vision")
+        self.vision = self.manifest.get(VISION)
         self.images: dict[object, torch.Tensor] = {}
         self._image_processor = None
         self._methods = {}
@@ -74,7 +96,11 @@ class Session(SpeculativeSteps):
         self.max_step_tokens = self.kv["max_step_tokens"]
         self.max_length = self.kv["max_seq_len"]  # tokens per sequence; None: unbounded (ring layers only)
         self.vocab_size = self.kv["vocab_size"]
-        self.seqs: dict[object, SeqState] = {}
+
+    @property
+    def acceptance(self) -> dict[object, list[int]]:
+        """Tokens each speculative round gave each live sequence (an artifact with a draft)."""
+        return self.speculation.acceptance if self.speculation else {}
 
     def method(self, name: str):
         if name not in self._methods:
@@ -82,7 +108,7 @@ class Session(SpeculativeSteps):
         return self._methods[name]
 
     def _check_constants(self) -> None:
-        expect = constant_methods({m: self.manifest[m] for m in MODELS if m in self.manifest})
+        expect = constant_methods(sections(self.manifest))
         for name, value in expect.items():
             got = self.constant(name, many=isinstance(value, list))
             if got != value:
@@ -109,20 +135,19 @@ class Session(SpeculativeSteps):
             raise SessionError(
                 f"cannot add sequence {seq_id!r}: {self.max_seqs} sequences are live, the artifact's max_seqs; "
                 "release one first or build with a larger kv.max_seqs")
-        taken = {s.slot for s in self.seqs.values()}
-        self.seqs[seq_id] = SeqState(slot=min(set(range(self.max_seqs)) - taken))
-        if self.draft_kv:
-            self.draft_seqs[seq_id] = SeqState(slot=self.seqs[seq_id].slot)
-            self.pending[seq_id] = torch.zeros(0, self.draft_kv["feature_dim"])
-            self.acceptance[seq_id] = []
+        slot = min(set(range(self.max_seqs)) - {s.slot for s in self.seqs.values()})
+        for model in self.models.values():
+            model.seqs[seq_id] = SeqState(slot=slot)
+        if self.speculation:
+            self.speculation.add(seq_id)
 
     def release(self, seq_id) -> None:
-        """Forget a sequence: its column (or its cells) serve the next one."""
-        self.pool.release(self._get(seq_id))
-        del self.seqs[seq_id]
-        if self.draft_kv:
-            self.draft_pool.release(self.draft_seqs.pop(seq_id))
-            del self.pending[seq_id], self.acceptance[seq_id]
+        """Forget a sequence: its column (or its cells) serve the next one, in every model."""
+        self.sequence(seq_id)
+        for model in self.models.values():
+            model.pool.release(model.seqs.pop(seq_id))
+        if self.speculation:
+            self.speculation.release(seq_id)
         self.images.pop(seq_id, None)
 
     # --- images (an artifact with a vision encoder) ---
@@ -143,7 +168,7 @@ class Session(SpeculativeSteps):
             raise SessionError(f"{self.artifact_dir} has no vision encoder: build with vision=smolvlm_tiny (or another)")
         from pipeline.runtime.images import encoder_input, pixels
 
-        seq = self._get(seq_id)
+        seq = self.sequence(seq_id)
         queued = self.images.get(seq_id, torch.zeros(0, self.vision["out_dim"]))
         n = self.vision["n_image_tokens"]
         end = seq.length + len(queued) + n
@@ -152,7 +177,7 @@ class Session(SpeculativeSteps):
                                f"context of {self.max_length}; release it or build with a larger kv.capacity")
         px = pixels(self.image_processor, image, self.vision["image_size"], seq_id)
         try:
-            features = self.method(VISION).execute([encoder_input(self.vision, px).to(getattr(torch, self.vision["dtype"]))])[0][0]
+            features = self.method(VISION_ENCODER).execute([encoder_input(self.vision, px).to(getattr(torch, self.vision["dtype"]))])[0][0]
         except Exception as err:
             raise SessionError(f"the program failed encoding the image of sequence {seq_id!r} ({err})") from err
         self.images[seq_id] = torch.cat([queued, features.float()])
@@ -161,23 +186,24 @@ class Session(SpeculativeSteps):
     def _splice(self, order, embeddings: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Image features over the step's placeholder tokens, in order, while a sequence has some;
         and the features left once the step ran (committed by the caller)."""
+        from pipeline.runtime.images import splice
+
         left = dict(self.images)
         if not any(seq_id in left for seq_id, *_ in order):
             return embeddings, left
-        embeddings, row, placeholder = embeddings.clone(), 0, self.vision["image_token_id"]
+        embeddings, row = embeddings.clone(), 0
         for seq_id, _, toks in order:
-            queued = left.get(seq_id)
-            if queued is not None:
-                rows = [row + i for i, t in enumerate(toks) if t == placeholder][: len(queued)]
-                embeddings[0, rows] = queued[: len(rows)].to(embeddings.dtype)
-                if len(rows) == len(queued):
+            if (queued := left.get(seq_id)) is not None:
+                used = splice(embeddings, toks, self.vision["image_token_id"], queued, row)
+                if used == len(queued):
                     del left[seq_id]
                 else:
-                    left[seq_id] = queued[len(rows):]
+                    left[seq_id] = queued[used:]
             row += len(toks)
         return embeddings, left
 
-    def _get(self, seq_id) -> SeqState:
+    def sequence(self, seq_id) -> SeqState:
+        """A live sequence's state in the target; an unknown id is refused naming the live ones."""
         try:
             return self.seqs[seq_id]
         except (KeyError, TypeError):
@@ -194,7 +220,7 @@ class Session(SpeculativeSteps):
         sequence's length (or in cells nobody owns) and are never read."""
         if not isinstance(feeds, dict) or not feeds:
             raise SessionError("a step needs a dict of at least one sequence id -> tokens")
-        order = [(seq_id, self._get(seq_id), self._tokens(seq_id, toks)) for seq_id, toks in feeds.items()]
+        order = [(seq_id, self.sequence(seq_id), self.check_tokens(seq_id, toks)) for seq_id, toks in feeds.items()]
         n_tokens = sum(len(toks) for *_, toks in order)
         decode = all(len(toks) == 1 for *_, toks in order)
         if not decode and n_tokens > self.max_step_tokens:
@@ -207,40 +233,34 @@ class Session(SpeculativeSteps):
                 raise SessionError(f"sequence {seq_id!r} would reach {end} tokens, past the flat layers' capacity of "
                                    f"{self.max_length}; release it or build with a larger kv.capacity")
         cells = self.pool.choose(n_tokens)  # the cells the step will write (cell layout): chosen, not taken
+        last_rows = list(_cumulative_last([len(toks) for *_, toks in order]))
+        logits, features = self.run_target(order, last_rows, cells)
+        self.models[TARGET].commit([(seq, len(toks)) for _, seq, toks in order], cells)
+        if self.speculation:
+            self.speculation.keep_features([(seq_id, len(toks), len(toks)) for seq_id, _, toks in order], features)
+        return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
 
-        step_buffers = self._step_buffers([(seq, len(toks)) for _, seq, toks in order], cells)
+    def run_target(self, order: list[tuple[object, SeqState, list[int]]], logit_rows: list[int],
+                   cells: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """embed_text (the sequences' image features spliced in), then the target's step over ``order``
+        ((seq_id, state, tokens) from each sequence's length on, writing ``cells``): the logits of
+        ``logit_rows`` and, with a draft, every token's tapped features. Nothing is committed."""
+        step_buffers = self.models[TARGET].step_buffers([(seq, len(toks)) for _, seq, toks in order], cells)
         token_t = torch.tensor([t for *_, toks in order for t in toks], dtype=torch.int64)
         pos_t = torch.tensor([p for _, seq, toks in order for p in range(seq.length, seq.length + len(toks))],
                              dtype=torch.int64)
-        last_rows = torch.tensor(list(_cumulative_last([len(toks) for *_, toks in order])), dtype=torch.int64)
-        logits, features = self._target_step(order, token_t, pos_t, last_rows, step_buffers)
-        self._commit([(seq, len(toks)) for _, seq, toks in order], cells)
-        self._keep_features([(seq_id, len(toks), len(toks)) for seq_id, _, toks in order], features)
-        return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
-
-    def _target_step(self, order, token_t, pos_t, logit_rows, step_buffers) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """embed_text, then the target's step: its logits rows and (with a draft) every token's features."""
         try:
             embeddings, images_left = self._splice(order, self.method(EMBED).execute([token_t])[0])
-            out = self.method(TARGET_STEP).execute([embeddings, pos_t, logit_rows, *step_buffers])
+            out = self.method(TARGET_STEP).execute([embeddings, pos_t, torch.tensor(logit_rows, dtype=torch.int64),
+                                                    *step_buffers])
         except Exception as err:
             ids = ", ".join(repr(seq_id) for seq_id, *_ in order)
             raise SessionError(f"the program failed on the step of sequences {ids} ({err}); "
                                "the session is unchanged") from err
         self.images = images_left
-        return out[0], (out[1] if self.draft_kv else None)
+        return out[0], (out[1] if self.speculation else None)
 
-    def _keep_features(self, kept: list[tuple[object, int, int]], features: torch.Tensor | None) -> None:
-        """Append to each sequence's pending features the first ``keep`` of its ``n`` rows of the step
-        (``kept``: (seq_id, n, keep) in the step's order)."""
-        if features is None:
-            return
-        row = 0
-        for seq_id, n, keep in kept:
-            self.pending[seq_id] = torch.cat([self.pending[seq_id], features[row: row + keep].float()])
-            row += n
-
-    def _tokens(self, seq_id, toks) -> list[int]:
+    def check_tokens(self, seq_id, toks) -> list[int]:
         """The tokens as Python ints in [0, vocab); anything else is refused, naming the sequence."""
         if isinstance(toks, torch.Tensor):
             if toks.dtype.is_floating_point or toks.dtype.is_complex or toks.dtype == torch.bool or toks.dim() != 1:
@@ -259,16 +279,11 @@ class Session(SpeculativeSteps):
                 raise SessionError(f"sequence {seq_id!r}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in toks]
 
-    def _commit(self, order: list[tuple[SeqState, int]], cells: list[int], pool=None) -> None:
-        """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
-        (pool or self.pool).commit(order, cells)
-        for seq, n in order:
-            seq.length += n
-
-    def _step_buffers(self, order: list[tuple[SeqState, int]], cells: list[int]) -> list[torch.Tensor]:
-        """The step buffers for the step about to run, computed from the state it will leave."""
-        values = self.kv_layout.step_buffer_values(order, cells, self.pool)
-        return [values[b["name"]] for b in self.kv["step_buffers"]]
+    def speculate(self, feeds: dict[object, int], propose=None) -> dict[object, Round]:
+        """One speculative round for each sequence of ``feeds`` (``Speculation.round``)."""
+        if not self.speculation:
+            raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to speculate")
+        return self.speculation.round(self, feeds, propose)
 
     # --- text (artifacts built from a checkpoint carry its tokenizer) ---
 
@@ -289,8 +304,8 @@ class Session(SpeculativeSteps):
         then one decode step for every live sequence, or with ``speculative`` (default: when the
         artifact has a draft) one speculative round for every live sequence; the text is the same.
         The sequences are added and released here."""
-        speculative = bool(self.draft_kv) if speculative is None else speculative
-        if speculative and not self.draft_kv:
+        speculative = bool(self.speculation) if speculative is None else speculative
+        if speculative and not self.speculation:
             raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to generate speculatively")
         for seq_id, text in prompts.items():
             if not isinstance(text, str) or not text:

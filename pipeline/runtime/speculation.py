@@ -1,13 +1,25 @@
-"""The session's speculative steps (an artifact with a DFlash draft), a part of ``Session``: the draft
-proposes a block per sequence from the target's tapped features, the target verifies every block in
-one step, each model commits only what it keeps."""
+"""Speculative rounds of a session over an artifact with a DFlash draft: the draft proposes a block per
+sequence from the target's tapped features, the target verifies every block in one step, each model
+commits only what it keeps. ``Speculation`` holds the draft's side (its model state, each sequence's
+pending target features, the tokens each round gave) and drives the session through its public steps
+(``Session.sequence``, ``check_tokens``, ``run_target``, its ``models``)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.build.roles import DRAFT_STEP, TARGET
 from pipeline.errors import SessionError
-from pipeline.kv.manifest import DRAFT_STEP
+
+
+def accepted_length(block: list[int], greedy: list[int]) -> int:
+    """How many proposals of ``block`` (its first token fed, then the proposals) the target's greedy
+    tokens ``greedy`` (one per block row) agree with, from the first on: the one acceptance rule of the
+    session and of the eager reference (``runtime/speculative.py``)."""
+    accepted = 0
+    while accepted < len(block) - 1 and block[accepted + 1] == greedy[accepted]:
+        accepted += 1
+    return accepted
 
 
 @dataclass
@@ -20,10 +32,34 @@ class Round:
     draft_logits: torch.Tensor  # the draft's logits for its proposals [len(proposals), vocab]
 
 
-class SpeculativeSteps:
-    """``Session``'s speculative methods; they use its sequences, pools and step machinery."""
+@dataclass
+class Speculation:
+    """The draft's side of a session's speculative rounds."""
 
-    def speculate(self, feeds: dict[object, int], propose=None) -> dict[object, "Round"]:
+    draft: object  # the draft's ModelState (its section, layout, pool and sequences)
+    pending: dict = field(default_factory=dict)  # sequence id -> target features not yet given to the draft
+    acceptance: dict = field(default_factory=dict)  # sequence id -> tokens each round gave it
+
+    @property
+    def block_size(self) -> int:
+        return self.draft.section["block_size"]
+
+    def add(self, seq_id) -> None:
+        self.pending[seq_id] = torch.zeros(0, self.draft.section["feature_dim"])
+        self.acceptance[seq_id] = []
+
+    def release(self, seq_id) -> None:
+        del self.pending[seq_id], self.acceptance[seq_id]
+
+    def keep_features(self, kept: list[tuple[object, int, int]], features: torch.Tensor | None) -> None:
+        """Append to each sequence's pending features the first ``keep`` of its ``n`` rows of the step
+        (``kept``: (seq_id, n, keep) in the step's order)."""
+        row = 0
+        for seq_id, n, keep in kept:
+            self.pending[seq_id] = torch.cat([self.pending[seq_id], features[row: row + keep].float()])
+            row += n
+
+    def round(self, session, feeds: dict[object, int], propose=None) -> dict[object, "Round"]:
         """One speculative round for each sequence of ``feeds`` (sequence id -> its next token, the last
         one sampled and not yet fed): the draft proposes ``block_size - 1`` tokens after it, the target
         verifies every sequence's block in one step, and each sequence keeps the proposals the target's
@@ -32,26 +68,24 @@ class SpeculativeSteps:
         logits. ``propose(seq_id, proposals) -> proposals`` may replace the draft's, as many of them
         (tests: an oracle or a corrupted draft). Greedy: the tokens are the target's greedy
         continuation, whatever the draft proposes."""
-        if not self.draft_kv:
-            raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to speculate")
         if not isinstance(feeds, dict) or not feeds:
             raise SessionError("a speculative step needs a dict of at least one sequence id -> next token")
         order = []
         for seq_id, token in feeds.items():
-            seq = self._get(seq_id)
-            (token,) = self._tokens(seq_id, [token])
+            seq = session.sequence(seq_id)
+            (token,) = session.check_tokens(seq_id, [token])
             if seq.length == 0:
                 raise SessionError(f"sequence {seq_id!r} is empty: prefill its prompt with step() before speculating")
-            if seq_id in self.images:
+            if seq_id in session.images:
                 raise SessionError(f"sequence {seq_id!r} has image features whose placeholder tokens were not fed yet; "
                                    "feed them with step() before speculating")
-            limit = self.kv_layout.session_length_limit
+            limit = session.kv_layout.session_length_limit
             room = self.block_size if limit is None else min(self.block_size, limit - seq.length)
             if room < 1:
                 raise SessionError(f"sequence {seq_id!r} holds {seq.length} tokens, the flat layers' capacity of "
-                                   f"{self.max_length}; release it or build with a larger kv.capacity")
+                                   f"{session.max_length}; release it or build with a larger kv.capacity")
             order.append((seq_id, seq, token, room))
-        proposals, draft_logits = self._draft_proposals([(seq_id, token, room) for seq_id, _, token, room in order])
+        proposals, draft_logits = self._draft_proposals(session, [(seq_id, token, room) for seq_id, _, token, room in order])
         if propose is not None:
             for seq_id, *_ in order:
                 given = list(propose(seq_id, list(proposals[seq_id])))
@@ -59,35 +93,30 @@ class SpeculativeSteps:
                     raise SessionError(f"sequence {seq_id!r}: propose returned {len(given)} proposals for a block "
                                        f"of {len(proposals[seq_id])}")
                 proposals[seq_id] = given
-        blocks = [(seq_id, seq, self._tokens(seq_id, [token, *proposals[seq_id]])) for seq_id, seq, token, _ in order]
+        blocks = [(seq_id, seq, session.check_tokens(seq_id, [token, *proposals[seq_id]])) for seq_id, seq, token, _ in order]
         n_tokens = sum(len(block) for *_, block in blocks)
-        cells = self.pool.choose(n_tokens)
-        step_buffers = self._step_buffers([(seq, len(block)) for _, seq, block in blocks], cells)
-        token_t = torch.tensor([t for *_, block in blocks for t in block], dtype=torch.int64)
-        pos_t = torch.tensor([p for _, seq, block in blocks for p in range(seq.length, seq.length + len(block))],
-                             dtype=torch.int64)
-        logits, features = self._target_step(blocks, token_t, pos_t, torch.arange(n_tokens), step_buffers)
+        target = session.models[TARGET]
+        cells = target.pool.choose(n_tokens)
+        logits, features = session.run_target(blocks, list(range(n_tokens)), cells)
         greedy = logits.argmax(-1).tolist()
         out, kept, kept_cells, row = {}, [], [], 0
         for seq_id, seq, block in blocks:
-            accepted = 0
-            while accepted < len(block) - 1 and block[accepted + 1] == greedy[row + accepted]:
-                accepted += 1
+            accepted = accepted_length(block, greedy[row: row + len(block)])
             out[seq_id] = Round(block[1: accepted + 1] + [greedy[row + accepted]], block[1:],
                                 logits[row: row + len(block)].clone(), draft_logits[seq_id])
             kept.append((seq_id, seq, len(block), accepted + 1))  # the fed token and the accepted proposals
             kept_cells += cells[row: row + accepted + 1] if cells else []
             row += len(block)
-        self._commit([(seq, keep) for _, seq, _, keep in kept], kept_cells)
-        self._keep_features([(seq_id, n, keep) for seq_id, _, n, keep in kept], features)
+        target.commit([(seq, keep) for _, seq, _, keep in kept], kept_cells)
+        self.keep_features([(seq_id, n, keep) for seq_id, _, n, keep in kept], features)
         for seq_id, result in out.items():
             self.acceptance[seq_id].append(len(result.tokens))
         return out
 
-    def _draft_proposals(self, order: list[tuple[object, int, int]]) -> tuple[dict, dict]:
+    def _draft_proposals(self, session, order: list[tuple[object, int, int]]) -> tuple[dict, dict]:
         """The draft's ``room - 1`` proposals after each sequence's ``token``. Its pending context first
         goes in in context-only steps, until what is left and the blocks fit one step."""
-        width, block = self.draft_kv["step_width"], self.block_size
+        width, block = self.draft.section["step_width"], self.block_size
         chunks = []  # (seq_id, rows) context-only
         for seq_id, _, _ in order:
             extra = len(self.pending[seq_id]) - block
@@ -98,13 +127,13 @@ class SpeculativeSteps:
             while chunks and chunks[0][1] <= room:
                 step.append(chunks.pop(0))
                 room -= step[-1][1]
-            self._draft_step([(seq_id, n, []) for seq_id, n in step])
-        proposing = [(seq_id, len(self.pending[seq_id]), [token] + [self.draft_kv["mask_token_id"]] * (room - 1))
+            self._draft_step(session, [(seq_id, n, []) for seq_id, n in step])
+        proposing = [(seq_id, len(self.pending[seq_id]), [token] + [self.draft.section["mask_token_id"]] * (room - 1))
                      for seq_id, token, room in order if room > 1]
         proposals = {seq_id: [] for seq_id, *_ in order}
-        logits_of = {seq_id: torch.zeros(0, self.vocab_size) for seq_id, *_ in order}
+        logits_of = {seq_id: torch.zeros(0, session.vocab_size) for seq_id, *_ in order}
         if proposing:
-            logits = self._draft_step(proposing)
+            logits = self._draft_step(session, proposing)
             row = 0
             for seq_id, _, blk in proposing:
                 logits_of[seq_id] = logits[row: row + len(blk) - 1].clone()
@@ -112,30 +141,29 @@ class SpeculativeSteps:
                 row += len(blk) - 1
         return proposals, logits_of
 
-    def _draft_step(self, rows: list[tuple[object, int, list[int]]]) -> torch.Tensor:
+    def _draft_step(self, session, rows: list[tuple[object, int, list[int]]]) -> torch.Tensor:
         """One call of the draft: for each (seq_id, n_ctx, block) the first ``n_ctx`` pending features
         as context rows, then the block's tokens; keeps the context, returns the logits of every block
         row after its first (the proposals)."""
-        order = [(seq_id, self.draft_seqs[seq_id], n_ctx, blk) for seq_id, n_ctx, blk in rows]
+        draft = self.draft
+        order = [(seq_id, draft.seqs[seq_id], n_ctx, blk) for seq_id, n_ctx, blk in rows]
         n_tokens = sum(n_ctx + len(blk) for _, _, n_ctx, blk in order)
-        cells = self.draft_pool.choose(n_tokens)
-        values = self.draft_layout.step_buffer_values([(seq, n_ctx + len(blk)) for _, seq, n_ctx, blk in order],
-                                                      cells, self.draft_pool)
-        step_buffers = [values[b["name"]] for b in self.draft_kv["step_buffers"]]
-        feature_dim, dtype = self.draft_kv["feature_dim"], self.pending[order[0][0]].dtype
+        cells = draft.pool.choose(n_tokens)
+        step_buffers = draft.step_buffers([(seq, n_ctx + len(blk)) for _, seq, n_ctx, blk in order], cells)
+        feature_dim, dtype = draft.section["feature_dim"], self.pending[order[0][0]].dtype
         features, tokens, is_context, positions, logit_rows = [], [], [], [], []
         for seq_id, seq, n_ctx, blk in order:
             features += [self.pending[seq_id][:n_ctx], torch.zeros(len(blk), feature_dim, dtype=dtype)]
-            tokens += [self.draft_kv["mask_token_id"]] * n_ctx + blk
+            tokens += [draft.section["mask_token_id"]] * n_ctx + blk
             is_context += [1] * n_ctx + [0] * len(blk)
             base = len(positions)
             positions += range(seq.length, seq.length + n_ctx + len(blk))
             logit_rows += range(base + n_ctx + 1, base + n_ctx + len(blk))
-        args = [torch.cat(features)[None].to(getattr(torch, self.draft_kv["feature_dtype"])), torch.tensor(tokens, dtype=torch.int64),
+        args = [torch.cat(features)[None].to(getattr(torch, draft.section["feature_dtype"])), torch.tensor(tokens, dtype=torch.int64),
                 torch.tensor(is_context, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                 torch.tensor(logit_rows or [0], dtype=torch.int64), *step_buffers]
         try:
-            logits = self.method(DRAFT_STEP).execute(args)[0]
+            logits = session.method(DRAFT_STEP).execute(args)[0]
         except Exception as err:
             raise SessionError(f"the program failed on the draft step of sequences "
                                f"{', '.join(repr(s) for s, *_ in order)} ({err})") from err
@@ -143,7 +171,7 @@ class SpeculativeSteps:
         for _, _, n_ctx, blk in order:
             kept_cells += cells[row: row + n_ctx] if cells else []
             row += n_ctx + len(blk)
-        self._commit([(seq, n_ctx) for _, seq, n_ctx, _ in order], kept_cells, self.draft_pool)
+        draft.commit([(seq, n_ctx) for _, seq, n_ctx, _ in order], kept_cells)
         for seq_id, _, n_ctx, _ in order:
             self.pending[seq_id] = self.pending[seq_id][n_ctx:]
         return logits if logit_rows else logits[:0]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.runtime.speculation import accepted_length
 
 
 @dataclass
@@ -51,9 +52,7 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int,
             with reference_cache(t_cache):
                 hidden, features = target.hidden_and_taps(target.embed(torch.tensor(block)), torch.arange(start, start + verify), taps)
             greedy = target.logits(hidden).argmax(-1).tolist()
-            accepted = 0
-            while accepted < verify - 1 and block[accepted + 1] == greedy[accepted]:
-                accepted += 1
+            accepted = accepted_length(block, greedy)
             produced = min(accepted + 1, max_length - start - 1)
             out[start + 1:] = block[1: accepted + 1] + [greedy[accepted]]
             out = out[: start + produced + 1]

@@ -1,7 +1,9 @@
 """The stages, in their natural order, with what each needs and gives.
 
-A stage is ``run(*config_sections, inputs, workdir) -> artifacts``: it sees
-only the config sections it names and the upstream artifacts it needs.
+A stage is ``run(plan, inputs, workdir) -> artifacts``: it reads the build plan
+(``pipeline/build/plan.py``) and the upstream artifacts it needs. ``sections`` are the
+config sections its result depends on beyond those of the stages it takes artifacts from:
+its cache key holds them (``pipeline/cache/keys.py``). Stages never import one another.
 """
 
 from dataclasses import dataclass
@@ -26,13 +28,13 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("export_vision", ("vision", "model"), (), ("vision", "vision_exported", "vision_section")),
-        Stage("export", ("model", "draft", "quant"), (), ("model", "draft", "exported", "tokenizer", "quant")),
-        Stage("lower_kv", ("model", "kv", "backend"), ("model", "draft", "exported"), ("layouts", "lowered", "kv_sections")),
-        Stage("compile", ("backend",), ("lowered", "kv_sections", "tokenizer", "quant"), ("program", "manifest", "partitions"),
-              optional=("vision_exported", "vision_section")),
-        Stage("validate", ("validate", "vision", "model", "draft", "kv", "backend", "quant"), ("model", "draft", "lowered", "program"),
-              ("validation",), optional=("vision", "vision_exported")),
+        Stage("export_vision", ("vision", "model"), (), ("vision_models", "vision_exported")),
+        Stage("export", ("model", "draft", "quant"), (), ("models", "exported", "tokenizer", "quant")),
+        Stage("lower_kv", ("model", "draft", "kv", "backend"), ("exported",), ("lowered",)),
+        Stage("compile", ("backend",), ("lowered", "tokenizer", "quant"), ("program", "manifest", "partitions"),
+              optional=("vision_exported",)),
+        Stage("validate", ("validate", "vision", "model", "draft", "kv", "backend", "quant"), ("models", "lowered", "program"),
+              ("validation",), optional=("vision_models", "vision_exported")),
     )
 }
 

@@ -1,6 +1,6 @@
 """compile: ExecuTorch program from the lowered methods; writes model.pte (+ .ptd) and manifest.json.
 
-needs: lowered, kv_sections, tokenizer, quant (and export_vision's vision_exported, vision_section)
+needs: lowered, tokenizer, quant (and export_vision's vision_exported)
 gives: program (path of model.pte), manifest, partitions (backend delegates per method: compile's
 cost grows with them; build.json records them)
 
@@ -11,21 +11,19 @@ the backend object's (``pipeline/backends/``).
 import json
 from pathlib import Path
 
-from pipeline.backends import backend as get_backend
-from pipeline.kv.manifest import constant_methods, manifest
+from pipeline.build.manifest import MANIFEST, constant_methods, manifest
+from pipeline.build.plan import BuildPlan
 from pipeline.passes import edge as one_retrace_lowering
 from pipeline.passes.group_merge import merge_check_by_set_ops
 
 
-def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
+def run(plan: BuildPlan, inputs: dict, workdir: Path) -> dict:
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
     lowered = inputs["lowered"] | inputs.get("vision_exported", {})
-    sections = dict(inputs["kv_sections"])
-    if inputs.get("vision_section"):
-        sections["vision"] = inputs["vision_section"]
-    backend = get_backend(backend_cfg.name)
+    sections = plan.manifest_sections()
+    backend = plan.backend
     partitioners = backend.partitioners(list(lowered))
     if not isinstance(partitioners, dict):
         partitioners = {name: partitioners for name in lowered}
@@ -58,5 +56,5 @@ def run(backend_cfg, inputs: dict, workdir: Path) -> dict:
     tokenizer = inputs["tokenizer"] and inputs["tokenizer"].name
     doc = manifest(sections, backend.name, program.name, data_files, methods, tokenizer)
     doc["quant"] = inputs["quant"]  # the weights' scheme, group size and per-tensor error (pipeline/quant)
-    (workdir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (workdir / MANIFEST).write_text(json.dumps(doc, indent=2) + "\n")
     return {"program": program, "manifest": doc, "partitions": partitions}

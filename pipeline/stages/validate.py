@@ -8,7 +8,7 @@ lengths, chunked prefill sharing steps with decodes, greedy decoding, one
 sequence finishing and a new one taking its column (or cells), ring layers
 wrapping.
 
-The episode and the oracles are ``pipeline.episode``; this stage builds the oracles' models, runs
+The episode and the oracles are ``pipeline.validation.episode``; this stage builds the oracles' models, runs
 the episode through the backend's session and writes the report.
 
 needs: model, lowered, program    gives: validation (written to validation.json)
@@ -24,41 +24,43 @@ from pathlib import Path
 
 import torch
 
-from pipeline.backends import backend
-from pipeline.episode import Script, add_images, plan, run_episode
+from pipeline.build.plan import BuildPlan
+from pipeline.build.roles import DRAFT, TARGET, VISION
 from pipeline.errors import BuildError
 from pipeline.runtime.session import Session
+from pipeline.validation.episode import Script, add_images, plan, run_episode
 
 
 class ValidationFailed(BuildError):
     pass
 
 
-SECTIONS = ("vision", "model", "draft", "quant", "kv", "backend")  # what export_vision, export and lower_kv read
-
-
-def backend_graphs(sections: dict) -> dict:
-    """export -> lower_kv -> the graphs the backend compiles, from the config alone (the GPU
-    validation's child process rebuilds them this way; ``sections``: SECTIONS as plain containers)."""
+def rebuild_programs(config: dict) -> dict:
+    """The graphs the backend compiles, made again from the config alone by the same code as the export
+    and lower_kv stages (``pipeline/models/methods.py``): the GPU validation's child process gets them
+    this way, since graphs that went through ``torch.export.save``/``load`` compiled to wrong code under
+    AOTInductor (``pipeline/runtime/aoti.py``), and a child cannot be handed live ones."""
     from omegaconf import OmegaConf
 
-    from pipeline.backends import backend
-    from pipeline.stages import export, export_vision, lower_kv
+    from pipeline.build.plan import resolve
+    from pipeline.config import SCHEMA
+    from pipeline.models.methods import build_models, export_methods, lower_methods
 
-    vision_cfg, model_cfg, draft_cfg, quant_cfg, kv_cfg, backend_cfg = (OmegaConf.create(sections[name]) for name in SECTIONS)
-    # no workdir: the graphs only (export would save the checkpoint's tokenizer into one)
-    vision = export_vision.run(vision_cfg, model_cfg, {}, None)
-    exported = export.run(model_cfg, draft_cfg, quant_cfg, {}, None)
-    lowered = lower_kv.run(model_cfg, kv_cfg, backend_cfg, exported, None)
-    return backend(backend_cfg.name).programs(lowered["lowered"] | vision["vision_exported"])
+    build = resolve(OmegaConf.merge(OmegaConf.structured(SCHEMA), OmegaConf.create(config)))
+    exported = {}
+    for stage in ("export_vision", "export"):  # no workdir: the graphs only (no tokenizer, no processor)
+        built, _ = build_models(build, stage, None)
+        exported[stage] = export_methods(build, stage, built)
+    return build.backend.programs(lower_methods(build, exported["export"]) | exported["export_vision"])
 
 
-def graphs_recipe(sections: dict):
-    """``backend_graphs`` for these config sections as a picklable call (for a child process)."""
+def programs_recipe(build: BuildPlan):
+    """``rebuild_programs`` for this plan's config as a picklable call (for a child process)."""
     from omegaconf import OmegaConf
 
-    return functools.partial(backend_graphs, {name: OmegaConf.to_container(sections[name], resolve=True)
-                                              for name in SECTIONS})
+    config = OmegaConf.to_container(build.config, resolve=True)
+    config["stages"] = ["export_vision", "export", "lower_kv"]
+    return functools.partial(rebuild_programs, config)
 
 
 def _text_prompts(scripts: list[Script], prompts: list[str], session: Session) -> None:
@@ -72,23 +74,24 @@ def _text_prompts(scripts: list[Script], prompts: list[str], session: Session) -
                                    f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
 
 
-def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, quant_cfg, inputs: dict, workdir: Path) -> dict:
-    model, draft, vision = inputs["model"], inputs["draft"], inputs.get("vision")
+def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
+    cfg = build.config
+    validate_cfg, quant_cfg = cfg.validate, cfg.quant
+    models = {**inputs["models"], **(inputs.get("vision_models") or {})}
+    model, draft, vision = models[TARGET], models.get(DRAFT), models.get(VISION)
     quantized = quant_cfg.scheme != "none"
     unquantized = None
     if quantized:  # the scheme's cost is measured against the model before quantization
+        from pipeline.models.methods import build_target
         from pipeline.quant.oracle import with_dequantized_weights
-        from pipeline.stages.export import build_target
 
-        unquantized = build_target(model_cfg, None)[0].float()
+        unquantized = build_target(cfg.model, None)[0].float()
         model = with_dequantized_weights(model)  # the same logits bit for bit, its weights dequantized once
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
         vision = copy.deepcopy(vision).float() if vision is not None else None
-    sections = {"vision": vision_cfg, "model": model_cfg, "draft": draft_cfg, "quant": quant_cfg, "kv": kv_cfg,
-                "backend": backend_cfg}
-    with backend(backend_cfg.name).session(validate_cfg, sections, inputs, workdir) as (session, runtime):
+    with build.backend.session(validate_cfg, inputs, workdir, programs_recipe(build)) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
             _text_prompts(scripts, list(validate_cfg.prompts), session)
@@ -96,7 +99,7 @@ def run(validate_cfg, vision_cfg, model_cfg, draft_cfg, kv_cfg, backend_cfg, qua
             add_images(scripts, session.vision, session.vocab_size, validate_cfg.seed)
         how = ("speculatively (DFlash draft) " if draft is not None else "") + ("with images " if vision is not None else "")
         print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
-        stats = run_episode(session, model, scripts, model_cfg.causal, validate_cfg.metric, draft, vision, unquantized)
+        stats = run_episode(session, model, scripts, cfg.model.causal, validate_cfg.metric, draft, vision, unquantized)
     worst = max(max(s.errors) for s in scripts)
     tolerance, bound = ((validate_cfg.quant_tolerance, "validate.quant_tolerance") if quantized
                         else (validate_cfg.tolerance, "validate.tolerance"))

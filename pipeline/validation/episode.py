@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.feasibility import episode_sequences
+from pipeline.build.feasibility import episode_sequences
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.progress import Progress
+from pipeline.runtime.images import splice
 from pipeline.runtime.session import Session
 
 
@@ -95,8 +96,7 @@ def _encode_image(session: Session, model, vision_model, s: Script, metric: str)
     placeholder = session.vision["image_token_id"]
     with torch.no_grad():
         s.image_embedding = model.embed(torch.tensor(s.prompt)).clone()
-    rows = [i for i, t in enumerate(s.prompt) if t == placeholder][: len(want)]
-    s.image_embedding[0, rows] = want[: len(rows)]
+    splice(s.image_embedding, s.prompt, placeholder, want)
 
 
 def _oracle_step(model, s: Script, toks: list[int], start: int, taps: tuple, placeholder: int | None = None,
@@ -108,11 +108,10 @@ def _oracle_step(model, s: Script, toks: list[int], start: int, taps: tuple, pla
     with reference_cache(cache or s.cache), torch.no_grad():
         emb = model.embed(torch.tensor(toks))
         if s.image_features is not None and len(s.image_features):
-            rows = [i for i, t in enumerate(toks) if t == placeholder][: len(s.image_features)]
             emb = emb.clone()
-            emb[0, rows] = s.image_features[: len(rows)]
+            used = splice(emb, toks, placeholder, s.image_features)
             if cache is None:
-                s.image_features = s.image_features[len(rows):]
+                s.image_features = s.image_features[used:]
         hidden, features = model.hidden_and_taps(emb, torch.arange(start, start + len(toks)), taps)
         if taps:
             s.features = features if s.features is None else torch.cat([s.features, features])
@@ -126,9 +125,8 @@ def _oracle_rows(model, s: Script, placeholder: int | None) -> torch.Tensor:
     with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True)), torch.no_grad():
         emb = model.embed(toks)
         if s.image_features is not None and len(s.image_features):
-            rows = (toks == placeholder).nonzero().flatten()[: len(s.image_features)]
             emb = emb.clone()
-            emb[0, rows] = s.image_features[: len(rows)]
+            splice(emb, toks.tolist(), placeholder, s.image_features)
         hidden, _ = model.hidden_and_taps(emb, torch.arange(len(toks)), ())
         return model.logits(hidden[s.step_rows])
 

@@ -37,10 +37,11 @@ def episode_sequences(validate_cfg, max_seqs: int) -> list[tuple[int, int]]:
     return shape
 
 
-def memory_estimate(layouts: dict[str, KVLayout], args: ModelArgs, model_dtype: str) -> dict[str, float]:
-    """Bytes: the KV stores (every model's), the target's weights, and the build's estimated peak."""
-    layout = layouts["target"]
-    kv = sum(sum(each.kv_bytes_per_layer()) for each in layouts.values())
+def memory_estimate(layouts: list[KVLayout], args: ModelArgs, model_dtype: str) -> dict[str, float]:
+    """Bytes: the KV stores (every model's; the target's layout first), the target's weights, and the
+    build's estimated peak."""
+    layout = layouts[0]
+    kv = sum(sum(each.kv_bytes_per_layer()) for each in layouts)
     weights = args.n_parameters() * DTYPE_BYTES[model_dtype]
     gather = layout.attention_scratch_bytes()
     return {"kv": kv, "weights": weights,
@@ -95,9 +96,9 @@ def check_draft(draft, target: ModelArgs, draft_cfg) -> None:
         raise ConfigError(f"draft.head_dim={draft.head_dim} is odd; RoPE rotates pairs, choose an even one")
 
 
-def check_vision(vision_cfg, target: ModelArgs, layout: KVLayout):
+def check_vision(vision_cfg, target: ModelArgs):
     """The encoder against the target: its tokens at the target's width, its placeholder a token of
-    the target, an image's tokens within one sequence's context. Returns its VisionArgs."""
+    the target. Returns its VisionArgs (an image's tokens against a sequence's context: ``roles.Vision``)."""
     from pipeline.models.args import vision_args
 
     if vision_cfg.family not in ("smolvlm", "muse_glimmer"):
@@ -120,15 +121,12 @@ def check_vision(vision_cfg, target: ModelArgs, layout: KVLayout):
     if not 0 <= vision_cfg.image_token_id < target.vocab_size:
         raise ConfigError(f"vision.image_token_id={vision_cfg.image_token_id} is not a token of the target's vocabulary "
                           f"(model.vocab_size={target.vocab_size})")
-    args = vision_args(vision_cfg, target)
-    if layout.max_seq_len is not None and args.n_image_tokens > layout.max_seq_len:
-        raise ConfigError(f"an image is {args.n_image_tokens} tokens (vision.image_size={vision_cfg.image_size}), more than "
-                          f"a sequence's context kv.capacity={layout.max_seq_len}; raise kv.capacity or lower vision.image_size")
-    return args
+    return vision_args(vision_cfg, target)
 
 
-def check_episode(validate_cfg, layout: KVLayout, draft=None, vision=None) -> None:
-    """The validate stage's episode must fit in the artifact it validates."""
+def check_episode(validate_cfg, layout: KVLayout, spill: int = 0) -> None:
+    """The validate stage's episode must fit in the artifact it validates (``spill``: tokens a sequence
+    may carry beyond its prompt and decodes: a draft's block, an image's tokens)."""
     lengths = list(validate_cfg.prompt_lengths)
     if not lengths or min(lengths) < 1:
         raise ConfigError(f"validate.prompt_lengths={lengths} must be a non-empty list of positive token counts")
@@ -136,9 +134,6 @@ def check_episode(validate_cfg, layout: KVLayout, draft=None, vision=None) -> No
         raise ConfigError(f"validate.decode_steps={validate_cfg.decode_steps} must be at least 1")
     if not validate_cfg.tolerance > 0:
         raise ConfigError(f"validate.tolerance={validate_cfg.tolerance} must be positive")
-    # a speculative round may write a block past the last token it keeps
-    spill = draft.block_size - 1 if draft is not None else 0
-    spill += vision.n_image_tokens if vision is not None else 0  # image sequences carry an image's tokens
     totals = sorted((p + d + spill for p, d in episode_sequences(validate_cfg, layout.max_seqs)), reverse=True)
     if layout.max_seq_len is not None and totals[0] > layout.max_seq_len:
         raise ConfigError(
@@ -148,9 +143,10 @@ def check_episode(validate_cfg, layout: KVLayout, draft=None, vision=None) -> No
     layout.check_episode(totals, "validate.prompt_lengths / validate.decode_steps")
 
 
-def check_memory(layouts: dict[str, KVLayout], args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:
-    """The build's estimated peak against ``memory_budget_gb`` (None: this machine's memory)."""
-    layout = layouts["target"]
+def check_memory(layouts: list[KVLayout], args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:
+    """The build's estimated peak against ``memory_budget_gb`` (None: this machine's memory; ``layouts``:
+    the target's first)."""
+    layout = layouts[0]
     estimate = memory_estimate(layouts, args, model_dtype)
     budget = machine_memory() if budget_gb is None else budget_gb * GB
     where = "this machine's memory; set memory_budget_gb to change it" if budget_gb is None else f"memory_budget_gb={budget_gb}"

@@ -8,8 +8,6 @@ the same entries is reused whole.
 """
 
 import contextlib
-import copy
-import hashlib
 import json
 import platform
 import shutil
@@ -20,103 +18,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.build.dry_run import print_plan
+from pipeline.build.plan import BuildPlan, resolve, resolve_model
+from pipeline.build.versions import BUILDING, WorkDir, compare_programs, existing, publish, remove_debris, sha256_file, versions
 from pipeline.cache import Cache, LazyArtifacts, changes, stage_keys, tool_versions
 from pipeline.cache.store import files_under
 from pipeline.errors import ConfigError
-from pipeline.plan import compare_programs, print_plan, rebuild  # noqa: F401  (rebuild: the CLI's)
-from pipeline.stages import check_order
-from pipeline.versions import BUILDING, WorkDir, existing, publish, remove_debris, sha256_file, versions
 
 SRC = Path(__file__).resolve().parent
-
-
-def check_config(cfg: DictConfig) -> list:
-    """Everything that can be rejected before any file is written, from the config alone (no torch
-    unless backend=cuda asks whether there is a GPU): the stage order, unknown settings, closed sets,
-    the model's shapes, the KV layout, the validation episode against it and the build's memory."""
-    from pipeline.backends import backend
-    from pipeline.config import unknown_settings
-    from pipeline.feasibility import check_draft, check_episode, check_memory, check_model, check_vision
-    from pipeline.kv.layouts import model_layouts
-    from pipeline.models.args import draft_args, model_args
-    from pipeline.models.families import family
-    from pipeline.quant import check as check_quant
-
-    if unknown := unknown_settings(cfg):
-        raise ConfigError(unknown[0])
-    plan = check_order(list(cfg.stages))
-    stages = {s.name for s in plan}
-    family(cfg.model.family)
-    target = backend(cfg.backend.name)  # model.dtype, kv.dtype, validate.metric and .runtime: the schema's enums
-    if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
-        raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
-    args = model_args(cfg.model)
-    check_model(args)
-    check_quant(cfg.quant, args, cfg.model, cfg.backend.name, cfg.draft.name, cfg.validate)
-    draft = None
-    if cfg.draft.name != "none":
-        draft = draft_args(cfg.draft, args)
-        check_draft(draft, args, cfg.draft)
-    layouts = model_layouts(cfg.kv, args, cfg.model.causal, draft)
-    vision = None
-    if cfg.vision.name != "none":
-        if "export" in stages and "export_vision" not in stages:
-            raise ConfigError(f"vision={cfg.vision.name} needs the export_vision stage: add it to stages "
-                              "(stages=[export_vision,export,...]) or choose vision=none")
-        vision = check_vision(cfg.vision, args, layouts["target"])
-    if "validate" in stages:
-        check_episode(cfg.validate, layouts["target"], draft, vision)
-    if "lower_kv" in stages:  # the KV stores exist from lower_kv on
-        check_memory(layouts, args, cfg.model.dtype, cfg.memory_budget_gb)
-    needs_gpu = {"compile", "validate"} & stages
-    if target.needs_gpu and needs_gpu:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"backend={target.name} needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() "
-                "is False); build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
-    return plan
-
-
-def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """The config with the options of ``model.family`` and the settings ``model.checkpoint``
-    implies; an override that contradicts either is an error naming both values."""
-    from pipeline.models.families import family
-
-    given = {o.lstrip("+").partition("=")[0] for o in overrides}
-
-    def impose(settings: dict, source: str) -> None:
-        for key, value in settings.items():
-            if f"model.{key}" in given and cfg.model[key] != value:
-                raise ConfigError(f"model.{key}={cfg.model[key]} contradicts {source}, which has {key}={value}; "
-                                  "drop the override")
-        cfg.model.merge_with(settings)
-
-    cfg = copy.deepcopy(cfg)
-    if cfg.model.checkpoint:
-        from pipeline.models.loaders import checkpoint_config
-
-        name, implied = checkpoint_config(cfg.model.checkpoint)
-        impose({"family": name, **implied}, f"model.checkpoint={cfg.model.checkpoint}")
-    impose(family(cfg.model.family).options, f"model.family={cfg.model.family}")
-    if cfg.draft.name != "none" and cfg.draft.checkpoint:
-        from pipeline.models.loaders.dflash import read_config
-
-        implied = read_config(cfg.draft.checkpoint)
-        source = f"draft.checkpoint={cfg.draft.checkpoint}"
-        for key, want in (("hidden_size", cfg.model.dim), ("vocab_size", cfg.model.vocab_size)):
-            got = implied.pop(key)
-            if got != want:
-                setting = "model.dim" if key == "hidden_size" else "model.vocab_size"
-                raise ConfigError(f"{source} has {key}={got}, but the target has {setting}={want}: the draft shares the "
-                                  "target's embeddings and head; choose a draft trained for this target")
-        for key, value in implied.items():
-            if f"draft.{key}" in given and cfg.draft[key] != value:
-                raise ConfigError(f"draft.{key}={cfg.draft[key]} contradicts {source}, which has {key}={value}; "
-                                  "drop the override")
-        cfg.draft.merge_with(implied)
-    return cfg
 
 
 def _tool_versions() -> dict:
@@ -184,7 +93,8 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
     version of the same stage entries is reused. ``dry_run``: print the plan and return None.
     ``reproduces``: the version this build rebuilds (``rebuild``)."""
     cfg = resolve_model(cfg, overrides or [])
-    plan = check_config(cfg)
+    build_plan = resolve(cfg)
+    plan = list(build_plan.stages)
     forced = _forced(cfg, plan)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
     keys = stage_keys(cfg, plan)
@@ -197,7 +107,7 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
             entry = None if stage.name in forced else cache.peek(stage.name, key["digest"])
             statuses[stage.name] = (f"cached ({key['digest'][:12]})" if entry else
                                     f"would build: {_why_build(stage.name, key, previous, forced, None)}")
-        print_plan(cfg, plan, exp_dir, statuses)
+        print_plan(build_plan, exp_dir, statuses)
         return None
     if exp_dir.is_dir():
         remove_debris(exp_dir)
@@ -210,7 +120,7 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
     exp_dir.mkdir(parents=True, exist_ok=True)
     with cache.building(), WorkDir(exp_dir) as work:
         try:
-            record = _run_stages(cfg, plan, keys, cache, work, overrides or [], hydra_cfg, previous, forced)
+            record = _run_stages(build_plan, keys, cache, work, overrides or [], hydra_cfg, previous, forced)
             if reproduces is not None:
                 record["reproduction"] = compare_programs(reproduces, record)
                 (work / "build.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -225,10 +135,11 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
     return version
 
 
-def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list[str], hydra_cfg,
+def _run_stages(build_plan: BuildPlan, keys: dict, cache: Cache, work: Path, overrides: list[str], hydra_cfg,
                 previous: dict | None, forced: dict) -> dict:
     """Each stage from its cache entry or built (and stored) under the entry's lock; the version's
     files are the entries' files, linked; ``build.json`` says which stage came from where."""
+    cfg, plan = build_plan.config, build_plan.stages
     (work / ".hydra").mkdir()
     OmegaConf.save(cfg, work / ".hydra" / "config.yaml", resolve=True)
     (work / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides) or "[]\n")
@@ -252,8 +163,7 @@ def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list
                       flush=True)
                 before = set(files_under(work))
                 with _heartbeat(stage.name):
-                    outputs = stage.load()(*(cfg[s] for s in stage.sections),
-                                           artifacts.view((*stage.needs, *stage.optional)), work)
+                    outputs = stage.load()(build_plan, artifacts.view((*stage.needs, *stage.optional)), work)
                 seconds = time.perf_counter() - start
                 new_files = sorted(set(files_under(work)) - before)  # what the stage wrote
                 entry = cache.store(stage.name, key, work, new_files, outputs, _facts(outputs), seconds)
@@ -278,14 +188,15 @@ def _run_stages(cfg, plan, keys: dict, cache: Cache, work: Path, overrides: list
                       for p in sorted(work.iterdir()) if p.is_file()},
         "stage_keys": {name: key["parts"] for name, key in keys.items()},
     }
-    # one section per model of the artifact: its weights and, once lowered, its KV stores
+    # one section per model of the artifact: its weights and, once lowered, its KV stores (the plan's)
     models = {name: {"weights_sha256": digest} for name, digest in record["inputs"].items()}
-    kv_sections = next((f["kv_sections"] for f in facts if "kv_sections" in f), None)
-    for name, kv in (kv_sections or {}).items():
-        models.setdefault(name, {}).update(layout=kv["layout"], causal=kv["causal"],
-                                           kv_bytes_per_layer=kv["kv_bytes_per_layer"], kv_bytes_total=kv["kv_bytes_total"])
+    lowered = "lower_kv" in entries
+    for part in build_plan.attending() if lowered else ():
+        kv = part.layout
+        models.setdefault(part.name, {}).update(layout=kv.layout, causal=kv.causal, kv_bytes_per_layer=kv.kv_bytes_per_layer(),
+                                                kv_bytes_total=sum(kv.kv_bytes_per_layer()))
     record["models"] = models
-    if kv_sections is not None:
+    if lowered:
         record["kv_bytes_total"] = sum(m.get("kv_bytes_total", 0) for m in models.values())  # vision has no KV
     if quant := [f["quant"] for f in facts if "quant" in f]:
         record["quant"] = quant[0]  # the scheme, the group size, every quantized tensor's error
@@ -326,24 +237,13 @@ def _heartbeat(name: str, every: float = 15.0):
 
 def _facts(outputs: dict) -> dict:
     """What build.json says about a stage's results, kept in its entry: the sha256 of each eager
-    model's weights, the KV sections, whether validation passed."""
-    from pipeline.runtime.aoti import tensor_bytes
+    model's weights (by role), the quantization, the partitions, whether validation passed."""
+    from pipeline.models.methods import weights_sha256
 
     facts: dict = {}
-    for name, key in (("target", "model"), ("draft", "draft"), ("vision", "vision")):
-        if outputs.get(key) is None:
-            continue
-        digest = hashlib.sha256()
-        for tensor_name, tensor in sorted(outputs[key].state_dict().items()):
-            digest.update(tensor_name.encode())
-            if hasattr(tensor, "__tensor_flatten__"):  # a quantized weight (torchao): its integers and scales
-                for inner in tensor.__tensor_flatten__()[0]:
-                    digest.update(tensor_bytes(getattr(tensor, inner)))
-            else:
-                digest.update(tensor_bytes(tensor))
-        facts.setdefault("weights", {})[name] = digest.hexdigest()
-    if "kv_sections" in outputs:
-        facts["kv_sections"] = outputs["kv_sections"]
+    for key in ("models", "vision_models"):
+        for name, module in (outputs.get(key) or {}).items():
+            facts.setdefault("weights", {})[name] = weights_sha256(module)
     if "quant" in outputs:
         facts["quant"] = outputs["quant"]
     if "partitions" in outputs:

@@ -119,3 +119,12 @@ def remove_debris(exp_dir: Path) -> list[Path]:
             removed.append(work)
             print(f"removed {work}: left by a build that died (no lock); not a version")
     return removed
+
+
+def compare_programs(original: Path, record: dict) -> dict:
+    """The programs of this build against those ``original`` recorded: the same bytes (sha256)?"""
+    theirs = json.loads((original / "build.json").read_text())["artifacts"]
+    programs = [name for name in record["artifacts"] if name.endswith((".pte", ".ptd"))]
+    same = {name: "identical" if theirs.get(name, {}).get("sha256") == record["artifacts"][name]["sha256"] else "differs"
+            for name in programs}
+    return {"of": str(original), "artifacts": same, "identical": bool(same) and all(s == "identical" for s in same.values())}
