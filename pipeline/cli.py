@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from pipeline.errors import BuildError, ConfigError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("model", "draft", "vision", "kv", "backend", "quant", "experiment")
+GROUPS = tuple(sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"))  # conf/'s option groups
 NULLABLE_GROUPS = ("experiment",)
 # Hydra's flags that take a value (the value is not an override)
 VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -114,8 +114,8 @@ def run_build(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from pipeline.quiet import filtered_stderr
     from pipeline.build.runner import build
+    from pipeline.quiet import filtered_stderr
 
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN

@@ -23,7 +23,7 @@ def compose_config(*overrides: str):
 def build_dir(tmp_path_factory):
     """Build a config once per test session, each in its own output root, all through one stage cache;
     returns the version directory."""
-    from pipeline.runner import build
+    from pipeline.build.runner import build
 
     built = {}
     cache = tmp_path_factory.mktemp("stage_cache")  # one stage cache: configs of one model share its export

@@ -2,12 +2,15 @@
 on the CPU: the child process rebuilds the graphs from the config, refuses graphs that differ from
 the parent's, and its separately compiled methods share one set of KV stores and match the oracle."""
 
+import copy
+
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from conftest import compose_config
 from pipeline.backends import backend
+from pipeline.build.plan import plan_of
+from pipeline.build.roles import TARGET
 from pipeline.runtime.aoti import MethodServer, MethodServerError
 from pipeline.runtime.session import Session
 from pipeline.stages import compile as compile_stage
@@ -17,18 +20,19 @@ OVERRIDES = ("kv=cell", "kv.max_seqs=2", "kv.capacity=128", "backend=portable", 
 
 
 def _recipe(cfg, **model_changes):
-    return validate.graphs_recipe({"vision": cfg.vision, "model": OmegaConf.merge(cfg.model, model_changes), "draft": cfg.draft,
-                                   "quant": cfg.quant, "kv": cfg.kv, "backend": cfg.backend})
+    changed = copy.deepcopy(cfg)
+    changed.model.merge_with(model_changes)
+    return validate.programs_recipe(plan_of(changed))
 
 
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("aoti")
     cfg = compose_config(*OVERRIDES)
-    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp)
-    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp)
-    compile_stage.run(cfg.backend, {**exported, **lowered}, tmp)  # manifest.json for the session
-    return cfg, exported["model"], backend("portable").programs(lowered["lowered"]), tmp
+    exported = export.run(plan_of(cfg), {}, tmp)
+    lowered = lower_kv.run(plan_of(cfg), exported, tmp)
+    compile_stage.run(plan_of(cfg), {**exported, **lowered}, tmp)  # manifest.json for the session
+    return cfg, exported["models"][TARGET], backend("portable").programs(lowered["lowered"]), tmp
 
 
 @pytest.mark.parametrize("runtime", ["aoti", "inductor"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import BATCHED, CELL, compose_config
+from pipeline.build.runner import build
 from pipeline.kv.op import ReferenceCache, reference_cache
-from pipeline.runner import build
 
 
 def test_default_build(build_dir):
@@ -192,7 +192,7 @@ def test_ring_only_model_past_capacity(build_dir):
 
 def test_live_build_is_not_debris(tmp_path):
     """A build in progress holds its lock: another build in the same directory leaves it alone."""
-    from pipeline.versions import WorkDir, remove_debris
+    from pipeline.build.versions import WorkDir, remove_debris
 
     with WorkDir(tmp_path) as work:
         assert remove_debris(tmp_path) == [] and work.is_dir()
@@ -206,7 +206,7 @@ def test_live_build_is_not_debris(tmp_path):
 def test_long_stage_shows_signs_of_life(capsys):
     import time
 
-    from pipeline.runner import _heartbeat
+    from pipeline.build.runner import _heartbeat
 
     out = ""
     with _heartbeat("compile", every=0.02):
@@ -248,8 +248,8 @@ def test_dry_run_plans_from_the_config_alone(tmp_path, build_dir, capsys):
 def test_rebuild_from_the_recorded_config_is_byte_identical(tmp_path):
     """rebuild=<version>: the config the version records builds the next version, every stage anew,
     and its build.json says whether the program's bytes are the same; a differing hash is seen."""
-    from pipeline.plan import compare_programs
-    from pipeline.runner import rebuild
+    from pipeline.build.rebuild import rebuild
+    from pipeline.build.versions import compare_programs
 
     first = build(compose_config(f"output_root={tmp_path}", "model=tiny_flat", "backend=portable",
                                  "stages=[export,lower_kv,compile]"))

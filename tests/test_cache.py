@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import compose_config
+from pipeline.build.runner import build
+from pipeline.build.versions import sha256_file
 from pipeline.cache import Cache
 from pipeline.cache.gc import gc
-from pipeline.runner import build
-from pipeline.versions import sha256_file
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 BASE = ("model=tiny_flat", "backend=portable", "stages=[export,lower_kv,compile,validate]", "validate.decode_steps=8")

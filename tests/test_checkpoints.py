@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import compose_config, gguf_writer
+from pipeline.build.plan import resolve, resolve_model
 from pipeline.errors import BuildError, ConfigError
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.args import model_args
 from pipeline.models.families import FAMILIES, family
 from pipeline.models.loaders import load_into
 from pipeline.models.transformer import build_model
-from pipeline.runner import check_config, resolve_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,7 +58,7 @@ def our_greedy(model, ids, n):
 @pytest.fixture(scope="module")
 def smollm2():
     cfg = resolve_model(compose_config("model=smollm2_135m"), [])
-    check_config(cfg)
+    resolve(cfg)
     directory, name = os.path.split(cfg.model.checkpoint)
     tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
@@ -126,7 +126,7 @@ def test_hf_directory_matches_transformers(tmp_path, name):
     if name == "llama":
         assert (tmp_path / "model.safetensors.index.json").exists(), "one of them sharded"
     cfg = resolve_model(compose_config(f"+model.checkpoint={tmp_path}"), [])
-    check_config(cfg)
+    resolve(cfg)
     assert cfg.model.family == name and cfg.model.qkv_bias == (name == "qwen2") and cfg.model.qk_norm == (name == "qwen3")
     ids = torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -242,7 +242,7 @@ def test_checkpoint_hash_is_in_the_stage_keys(tmp_path):
 
 def test_artifact_from_a_checkpoint_matches_transformers(tmp_path):
     """A Qwen3 directory -> a validated .pte; its logits through the session equal transformers'."""
-    from pipeline.runner import build
+    from pipeline.build.runner import build
     from pipeline.runtime.session import Session
 
     hf = save_tiny("qwen3", tmp_path / "qwen3")
@@ -268,7 +268,7 @@ def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
     """A checkpoint with SmolLM2's tokenizer (a tiny random Llama over its vocabulary) and a DFlash draft:
     the artifact carries the tokenizer, and four text prompts decoded together, plainly and
     speculatively, equal transformers' greedy text."""
-    from pipeline.runner import build
+    from pipeline.build.runner import build
     from pipeline.runtime.session import Session
 
     tok = smollm2[3]
@@ -401,7 +401,7 @@ def test_smollm2_artifact_matches_transformers(smollm2, tmp_path):
     """The SmolLM2 .pte (kv.max_seqs=4) against transformers: prompt logits and 32 greedy tokens,
     one sequence alone and the same prompts as four sequences of one batch. Building takes about
     13 minutes here: SMOLLM2_ARTIFACT=<version dir> reuses a build of model=smollm2_135m kv.max_seqs=4."""
-    from pipeline.runner import build
+    from pipeline.build.runner import build
     from pipeline.runtime.session import Session
 
     _, _, hf, tok = smollm2

@@ -24,13 +24,13 @@ def test_defaults():
 
 @pytest.mark.parametrize("group,option", OPTIONS)
 def test_every_option_composes_and_checks(group, option):
-    from pipeline.runner import check_config, resolve_model
+    from pipeline.build.plan import resolve, resolve_model
 
     cfg = compose_config(f"{group}={option}")
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     if cfg.backend.name == "cuda":  # CI has no GPU: check what can be built here
         cfg = compose_config(f"{group}={option}", "stages=[export,lower_kv]")
-    check_config(resolve_model(cfg, []))  # every shipped option is buildable
+    resolve(resolve_model(cfg, []))  # every shipped option is buildable
 
 
 def test_experiment_holds_only_its_differences():
@@ -124,8 +124,8 @@ def test_bad_input_one_line_error_no_version(tmp_path, args, needles):
 
 def test_refused_before_heavy_imports():
     """Config checks import neither torch nor executorch (the error path stays fast)."""
-    code = ("import sys; from pipeline.runner import check_config; from conftest import compose_config; "
-            "check_config(compose_config('kv=cell', 'kv.max_seqs=8')); "
+    code = ("import sys; from pipeline.build.plan import resolve; from conftest import compose_config; "
+            "resolve(compose_config('kv=cell', 'kv.max_seqs=8')); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'executorch'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent).stdout
@@ -133,10 +133,10 @@ def test_refused_before_heavy_imports():
 
 
 def test_schema_is_strict_in_composed_configs():
-    from pipeline.runner import check_config
+    from pipeline.build.plan import resolve
 
     with pytest.raises(ConfigError, match="experiment_nme=x is not a setting"):
-        check_config(compose_config("+experiment_nme=x"))
+        resolve(compose_config("+experiment_nme=x"))
 
 
 def test_help_describes_the_command():

@@ -137,13 +137,13 @@ def test_a_dflash_checkpoint_loads_through_the_config(tmp_path):
     """draft.checkpoint: its settings replace the preset's, its weights fill the draft, which then
     equals the reference block after block."""
     from conftest import compose_config
+    from pipeline.build.plan import resolve, resolve_model
     from pipeline.models.args import model_args
-    from pipeline.runner import check_config, resolve_model
-    from pipeline.stages.export import build_draft_model
+    from pipeline.models.methods import build_draft_model
 
     ref = _saved_reference(tmp_path, [1, 3])
     cfg = resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}"), [])
-    check_config(cfg)
+    resolve(cfg)
     assert (cfg.draft.num_hidden_layers, cfg.draft.block_size, list(cfg.draft.target_layer_ids)) == (2, 4, [1, 3])
     ours = build_draft_model(cfg.draft, model_args(cfg.model))
     assert run_blocks(ref, ours) <= 1e-5
@@ -151,12 +151,12 @@ def test_a_dflash_checkpoint_loads_through_the_config(tmp_path):
 
 def test_a_dflash_checkpoint_that_does_not_fit_is_refused(tmp_path):
     from conftest import compose_config
+    from pipeline.build.plan import resolve, resolve_model
     from pipeline.errors import ConfigError
-    from pipeline.runner import check_config, resolve_model
 
     _saved_reference(tmp_path, [1, 5])
     with pytest.raises(ConfigError, match=r"draft.target_layer_ids=\[1, 5\] names layer 5, but the target has model.n_layers=4"):
-        check_config(resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}"), []))
+        resolve(resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}"), []))
     with pytest.raises(ConfigError, match="has hidden_size=64, but the target has model.dim=96"):
         resolve_model(compose_config("draft=dflash", f"draft.checkpoint={tmp_path}", "model.dim=96"), [])
     with pytest.raises(ConfigError, match="has vocab_size=512, but the target has model.vocab_size=1024"):

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from conftest import DRAFT_VISION, compose_config
+from pipeline.build.plan import plan_of
+from pipeline.build.roles import DRAFT, TARGET
+from pipeline.models.methods import build_draft_model, build_target
 from pipeline.runtime.session import Session, SessionError
 from pipeline.runtime.speculative import greedy_generate
-from pipeline.stages.export import build_draft_model, build_target
 
 DRAFT_BATCHED = DRAFT_VISION  # the draft tests feed no images: the vision encoder does not take part
 DRAFT_CELL = ("draft=dflash", "kv=cell", "kv.max_seqs=4", "backend=portable", "experiment_name=draftcell4")
@@ -118,7 +120,7 @@ def test_a_wrong_proposal_cuts_the_round(build, build_dir, greedy):
     if build is DRAFT_CELL:  # the rejected rows' cells were never taken; released sequences free the rest
         for seq_id in PROMPTS:
             s.release(seq_id)
-        assert len(s.pool.free_cells) == 512 and len(s.draft_pool.free_cells) == 512
+        assert len(s.pool.free_cells) == 512 and len(s.models[DRAFT].pool.free_cells) == 512
 
 
 def test_speculation_errors(batched):
@@ -160,5 +162,4 @@ def test_validate_fails_on_a_wrong_draft(batched, tmp_path):
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((batched / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="the draft's max relative logit error"):
-        validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, cfg.quant,
-                     {"model": target, "draft": draft}, tmp_path)
+        validate.run(plan_of(cfg), {"models": {TARGET: target, DRAFT: draft}}, tmp_path)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import compose_config
-from pipeline.kv.layouts import build_layout, sequence_segments
+from pipeline.build.plan import plan_of
+from pipeline.build.roles import TARGET, TARGET_STEP
+from pipeline.kv.layouts import sequence_segments
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
 from pipeline.stages import export
@@ -28,12 +30,13 @@ def lowered():
     out = {}
     for name, overrides in LAYOUTS.items():
         cfg = compose_config(*overrides)
-        exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, None)
-        layout = build_layout(cfg.kv, exported["model"].args)
-        ep = exported["exported"]["target_forward_from_embeddings"]
-        spec = export.method_inputs(exported["model"].args, {"target": layout.step_width}, cfg.kv.max_seqs)[
-            "target_forward_from_embeddings"]
-        out[name] = (exported["model"], layout, ep, lower_offgraph_kv(ep, layout, spec))
+        plan = plan_of(cfg)
+        exported = export.run(plan, {}, None)
+        model = exported["models"][TARGET]
+        ep = exported["exported"][TARGET_STEP]
+        target = plan.target
+        spec = target.role.example_inputs(target.methods[1], target, plan.parts, torch.float32, None)
+        out[name] = (model, target.layout, ep, lower_offgraph_kv(ep, target.layout, spec))
     return out
 
 

@@ -9,11 +9,11 @@ import torch
 from executorch.examples.models.muse_glimmer.model.model import MuseGlimmerConfig, MuseGlimmerModel
 
 from conftest import compose_config, gguf_writer
+from pipeline.build.plan import resolve_model
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.args import ModelArgs, model_args
 from pipeline.models.families import FAMILIES
 from pipeline.models.transformer import build_model
-from pipeline.runner import resolve_model
 
 CASES = {
     "gate+qknorm, 3 SWA + 1 global": dict(n_layers=4, global_attn_cfg="[16,16,16,0]", every_n_layers_nope=4),

@@ -17,6 +17,8 @@ from executorch.extension.llm.cache.reference_cache import (
 from executorch.extension.llm.cache.update_and_attend import REGISTRY
 
 from conftest import compose_config
+from pipeline.build.plan import plan_of
+from pipeline.build.roles import TARGET
 from pipeline.kv.op import NEUTRAL_OP, ReferenceCache, reference_cache
 from pipeline.models.args import model_args
 from pipeline.models.transformer import build_model
@@ -30,9 +32,9 @@ def pipeline_works() -> None:
     from pipeline.stages import export, lower_kv
 
     cfg = compose_config()
-    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, None)
-    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, None)
-    model = exported["model"]
+    exported = export.run(plan_of(cfg), {}, None)
+    lowered = lower_kv.run(plan_of(cfg), exported, None)
+    model = exported["models"][TARGET]
     with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():
         model.logits(model.hidden(model.embed(torch.arange(5)), torch.arange(5)))
     assert set(lowered["lowered"]) == {"embed_text", "target_forward_from_embeddings"}

@@ -12,12 +12,12 @@ import torch
 from test_checkpoints import write_llama_gguf
 
 from conftest import compose_config
+from pipeline.build.plan import resolve_model
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.args import model_args
+from pipeline.models.methods import build_target
 from pipeline.models.transformer import build_model
 from pipeline.quant import dequantized, quantize
-from pipeline.runner import resolve_model
-from pipeline.stages.export import build_target
 
 # tiny_flat with a feed-forward width that is a multiple of 32 (XNNPACK's 4-bit groups)
 QUANT_MODEL = ("model=tiny_flat", "model.hidden_dim=192")
@@ -236,8 +236,8 @@ def test_from_checkpoint_artifact(build_dir, tmp_path_factory):
 
 
 def test_from_checkpoint_refuses_an_unquantized_gguf(tmp_path):
+    from pipeline.build.runner import build
     from pipeline.errors import ConfigError
-    from pipeline.runner import build
 
     cfg, path = _gguf_config(tmp_path, "F32")
     cfg.output_root = str(tmp_path / "out")
@@ -259,7 +259,7 @@ def test_smollm2_int4_eight_prompts_match_the_quantized_eager_model(tmp_path):
     SMOLLM2_INT4_ARTIFACT=<version dir> reuses a build of that command."""
     import os
 
-    from pipeline.runner import build
+    from pipeline.build.runner import build
     from pipeline.runtime.session import Session
     from pipeline.runtime.speculative import greedy_generate
 

@@ -188,7 +188,7 @@ def test_add_and_release_refused_without_change(batched):
 def test_decode_step_may_be_wider_than_max_step_tokens(tmp_path):
     """With more live sequences than max_step_tokens, a decode step takes one token of each."""
     from conftest import compose_config
-    from pipeline.runner import build
+    from pipeline.build.runner import build
 
     overrides = ("kv.max_seqs=6", "kv.max_step_tokens=4", "backend=portable", "model=tiny_flat")
     version = build(compose_config(f"output_root={tmp_path}", *overrides, "stages=[export,lower_kv,compile]"))

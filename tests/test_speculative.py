@@ -9,11 +9,11 @@ import torch
 from test_dflash import reference_and_ours
 
 from conftest import compose_config
+from pipeline.build.plan import resolve_model
 from pipeline.models.args import model_args
 from pipeline.models.families import family
 from pipeline.models.loaders import load_into
 from pipeline.models.transformer import build_model
-from pipeline.runner import resolve_model
 from pipeline.runtime.speculative import greedy_generate, speculative_generate
 
 dflash = pytest.importorskip("dflash.model")

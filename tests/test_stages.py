@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from conftest import compose_config
+from pipeline.build.plan import plan_of
+from pipeline.build.roles import TARGET
 from pipeline.passes.lower_offgraph_kv import count_neutral
 from pipeline.stages import StageOrderError, check_order, export, lower_kv, validate
 from pipeline.stages import compile as compile_stage
@@ -17,9 +19,9 @@ def staged(tmp_path_factory):
     cfg = compose_config("backend=portable")
     work = tmp_path_factory.mktemp("stages")
     out = {"cfg": cfg, "work": work}
-    out["export"] = export.run(cfg.model, cfg.draft, cfg.quant, {}, work)
-    out["lower_kv"] = lower_kv.run(cfg.model, cfg.kv, cfg.backend, out["export"], work)
-    out["compile"] = compile_stage.run(cfg.backend, {**out["export"], **out["lower_kv"]}, work)
+    out["export"] = export.run(plan_of(cfg), {}, work)
+    out["lower_kv"] = lower_kv.run(plan_of(cfg), out["export"], work)
+    out["compile"] = compile_stage.run(plan_of(cfg), {**out["export"], **out["lower_kv"]}, work)
     return out
 
 
@@ -33,7 +35,7 @@ def test_export_alone(staged):
 def test_lower_kv_alone(staged):
     out = staged["lower_kv"]
     assert all(count_neutral(ep) == 0 for ep in out["lowered"].values())
-    assert out["kv_sections"]["target"]["layout"] == "sequence" and out["kv_sections"]["target"]["max_seqs"] == 1
+    assert set(out["lowered"]) == {"embed_text", "target_forward_from_embeddings"}
 
 
 def test_compile_alone_writes_program_and_manifest(staged):
@@ -54,7 +56,7 @@ def test_compile_alone_writes_program_and_manifest(staged):
 def test_validate_alone_passes(staged):
     cfg = staged["cfg"]
     inputs = {**staged["export"], **staged["lower_kv"]}
-    report = validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, cfg.quant, inputs,
+    report = validate.run(plan_of(cfg), inputs,
                           staged["work"])["validation"]
     assert report["passed"] and report["max_relative_error"] < 1e-5
     assert report["scenario"]["mixed_steps"] > 0 or report["scenario"]["max_live"] == 1
@@ -65,7 +67,7 @@ def test_oracle_over_each_sequence_equals_the_step_by_step_oracle(staged):
     gives each step's error as the step-by-step oracle over the sequence's own cache does."""
     from pipeline.runtime.session import Session
 
-    cfg, model = staged["cfg"], staged["export"]["model"]
+    cfg, model = staged["cfg"], staged["export"]["models"][TARGET]
     runs = {}
     for stepwise in (True, False):
         session = Session(staged["work"])
@@ -83,15 +85,14 @@ def test_oracle_over_each_sequence_equals_the_step_by_step_oracle(staged):
 
 def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     """The program was compiled from the true weights; an oracle that disagrees must fail the build."""
-    model = copy.deepcopy(staged["export"]["model"])
+    model = copy.deepcopy(staged["export"]["models"][TARGET])
     with torch.no_grad():
         model.layers[1].attention.wv.weight.add_(1e-2 * torch.randn_like(model.layers[1].attention.wv.weight))
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):
         cfg = staged["cfg"]
-        validate.run(cfg.validate, cfg.vision, cfg.model, cfg.draft, cfg.kv, cfg.backend, cfg.quant,
-                     {"model": model, "draft": None}, tmp_path)
+        validate.run(plan_of(cfg), {"models": {TARGET: model}}, tmp_path)
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["passed"] is False and report["max_relative_error"] > report["tolerance"]
 
@@ -111,11 +112,11 @@ def test_compile_leaves_the_lowered_programs_intact(tmp_path):
     """compile (XNNPACK) works on the lowered programs without copying their weights; the programs
     it was given keep every constant, unchanged."""
     cfg = compose_config("model=tiny_flat")  # the smallest model XNNPACK partitions
-    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp_path)
-    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp_path)
+    exported = export.run(plan_of(cfg), {}, tmp_path)
+    lowered = lower_kv.run(plan_of(cfg), exported, tmp_path)
     ep = lowered["lowered"]["target_forward_from_embeddings"]
     before = {name: t.clone() for name, t in {**ep.state_dict, **ep.constants}.items()}
-    compile_stage.run(cfg.backend, {**exported, **lowered}, tmp_path)
+    compile_stage.run(plan_of(cfg), {**exported, **lowered}, tmp_path)
     after = {**ep.state_dict, **ep.constants}
     assert set(after) == set(before) and len(before) > 10
     assert all(torch.equal(after[name], t) for name, t in before.items())

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from conftest import DRAFT_VISION, compose_config
+from pipeline.models.methods import build_target, build_vision_model
 from pipeline.runtime.session import Session, SessionError
-from pipeline.stages.export import build_target
-from pipeline.stages.export_vision import build_vision_model
 
 VISION_FLAT = ("model=tiny_flat", "vision=smolvlm_tiny", "kv.max_seqs=2", "backend=portable", "experiment_name=vision2")
 FULL = DRAFT_VISION

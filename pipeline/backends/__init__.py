@@ -34,6 +34,8 @@ class Backend:
     # functional index_put copies the whole store into a new tensor and copy_ writes it back, two
     # copies of every row of every column per layer and step
     reinplace_stores = True
+    # runs quantized weights (quant.scheme other than none): kernels for 8-bit and 4-bit linears and embeddings
+    quantized_kernels = False
     # compile decomposes each method in one retrace (the inlined ops with ExecuTorch's core ATen
     # table, ``pipeline/passes/edge.py``) instead of ``to_edge_transform_and_lower``'s four
     one_retrace = True
@@ -112,6 +114,11 @@ def drop_provenance(gm) -> None:
 def names() -> list[str]:
     """Every backend, by module name (no import)."""
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def quantizing() -> list[str]:
+    """The backends that run quantized weights."""
+    return [name for name in names() if backend(name).quantized_kernels]
 
 
 def backend(name: str) -> Backend:

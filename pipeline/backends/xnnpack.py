@@ -48,6 +48,7 @@ def _acts_on(pass_, graph) -> bool:
 
 class Xnnpack(Backend):
     name = "xnnpack"
+    quantized_kernels = True  # qc8w / qb4w linears; the quantized embedding ops run in ExecuTorch's kernels
 
     def partitioners(self, methods: list[str]):
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from pipeline.backends import Backend, backend
+from pipeline.backends import Backend, backend, quantizing
 from pipeline.build.roles import DRAFT, ROLES, TARGET, MethodSpec, Role
 from pipeline.errors import ConfigError
 from pipeline.kv.layouts import KVLayout, build_layout
+from pipeline.quant import Scheme, scheme
 from pipeline.stages import Stage, check_order
 
 
@@ -49,6 +50,7 @@ class BuildPlan:
     stages: tuple[Stage, ...]
     parts: dict[str, ModelPart]
     backend: Backend
+    quant: Scheme  # the target's weight quantization (pipeline/quant)
     memory: dict = field(default_factory=dict)  # the build's estimate (feasibility.memory_estimate)
 
     @property
@@ -104,7 +106,7 @@ def resolve(cfg: DictConfig) -> BuildPlan:
         part = ModelPart(role, role.args(cfg, parts))
         if role.name == TARGET:  # the quantization concerns the target, and refuses a draft
             draft = ROLES.get(DRAFT)
-            check_quant(cfg.quant, part.args, cfg.model, cfg.backend.name,
+            check_quant(cfg.quant, part.args, cfg.model, chosen, quantizing(),
                         draft.preset(cfg) if draft is not None and draft.present(cfg) else None, cfg.validate)
         role.check(cfg, part, parts, names)
         parts[role.name] = part
@@ -135,7 +137,7 @@ def resolve(cfg: DictConfig) -> BuildPlan:
             raise ConfigError(
                 f"backend={chosen.name} needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() "
                 "is False); build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
-    return BuildPlan(cfg, tuple(stages), parts, chosen, memory)
+    return BuildPlan(cfg, tuple(stages), parts, chosen, scheme(cfg.quant.scheme), memory)
 
 
 def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:

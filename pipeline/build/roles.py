@@ -212,12 +212,12 @@ class Target(Role):
         import torch
 
         from pipeline.models.methods import build_target
-        from pipeline.quant import quantize
+        from pipeline.quant import quantize, scheme
 
         model, tokenizer = build_target(cfg.model, workdir)
         model = model.to(getattr(torch, cfg.model.dtype))
         report = quantize(model, cfg.quant, cfg.model)
-        if report["scheme"] != "none":
+        if scheme(cfg.quant.scheme).quantized:
             print(f"  quantized {len(report['tensors'])} tensors: {report['describe']} (max relative rms error "
                   f"{report['max_relative_rms_error']:.2e})", flush=True)
         return model, {"tokenizer": tokenizer, "quant": report}

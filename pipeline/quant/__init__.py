@@ -19,16 +19,138 @@ quantized for different kernels (as ExecuTorch's export does without a shared-em
 """
 
 from pipeline.errors import ConfigError
+from pipeline.quant.formats import FLOAT, KEPT, weights_2d
 
 XNNPACK_GROUP = 32  # XNNPACK's 4-bit groups are multiples of this
-BLOCK = 32  # llama.cpp's block of Q4_0 / Q4_1 / Q8_0: 32 columns of one row
-KEPT = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types quant=from_checkpoint keeps (gguf.py)
-FLOAT = ("F32", "F16", "BF16")
 
 
-def weights_2d(reader) -> list:
-    """A GGUF's matrices (the tensors a quantization concerns; norms are vectors)."""
-    return [t for t in reader.tensors if len(t.shape) == 2]
+class Scheme:
+    """``quant=none``: the weights in ``model.dtype``, nothing quantized. A scheme is a row of
+    ``SCHEMES``: its refusals from the config (``check``), what it is in words (``describe``), the
+    group size and reference its report records, and what it does to the model's weights (``apply``)."""
+
+    name = "none"
+    quantized = False
+    reference = "the float weights"
+
+    def check(self, quant_cfg, args, model_cfg, backend, quantizing: list[str], draft_name: str | None, validate_cfg) -> None:
+        """Refuse what this build cannot make (``backend``: the Backend, ``quantizing``: the backends with
+        quantized kernels; ``draft_name``: the draft's preset, None without one)."""
+
+    def describe(self, quant_cfg) -> str:
+        return "none"
+
+    def group_size(self, quant_cfg) -> int:
+        return quant_cfg.group_size
+
+    def apply(self, model, quant_cfg, model_cfg) -> dict[str, str]:
+        """Quantize ``model``'s weights in place; {module name: its format}."""
+        return {}
+
+
+class _Quantized(Scheme):
+    quantized = True
+    bits = 0
+
+    def check(self, quant_cfg, args, model_cfg, backend, quantizing, draft_name, validate_cfg):
+        scheme = quant_cfg.scheme
+        for name in ("quant_tolerance", "max_logit_error"):
+            if not validate_cfg[name] > 0:
+                raise ConfigError(f"validate.{name}={validate_cfg[name]} must be positive")
+        if not 0 <= validate_cfg.min_token_agreement <= 1:
+            raise ConfigError(f"validate.min_token_agreement={validate_cfg.min_token_agreement} must be a fraction in [0, 1]")
+        if not backend.quantized_kernels:
+            raise ConfigError(f"quant.scheme={scheme} needs backend={' or backend='.join(quantizing)} (its quantized "
+                              f"kernels run the weights); backend={backend.name} runs quant=none only")
+        if draft_name is not None:
+            raise ConfigError(f"quant.scheme={scheme} with draft={draft_name}: quantized speculative artifacts are not "
+                              "built yet (the draft's validation holds greedy output to the unquantized target); use quant=none")
+        if model_cfg.dtype != "float32":
+            raise ConfigError(f"quant.scheme={scheme} with model.dtype={model_cfg.dtype}: the quantized kernels compute "
+                              "in float32; use model.dtype=float32")
+        self.check_groups(quant_cfg, args, model_cfg)
+
+    def check_groups(self, quant_cfg, args, model_cfg) -> None:
+        """4-bit weights: XNNPACK's groups are a multiple of 32 columns dividing every linear's input
+        width; one scale per channel is a group of the whole width, so that width must be such a multiple."""
+        group, scheme = self.group_size(quant_cfg), quant_cfg.scheme
+        if group < 0 or group % XNNPACK_GROUP:
+            raise ConfigError(f"quant.group_size={group} is not a multiple of {XNNPACK_GROUP} (XNNPACK's 4-bit groups) "
+                              "nor 0 (one scale per output channel)")
+        widths = linear_widths(args) | ({"tok_embeddings (its rows)": args.dim} if quant_cfg.embedding else {})
+        all_widths = sorted(set(widths.values()))
+        if not group:
+            bad = {name: w for name, w in widths.items() if w % XNNPACK_GROUP}
+            if bad:
+                name, width = next(iter(bad.items()))
+                raise ConfigError(f"quant.scheme={scheme}: the input width {width} of {name} (model {model_cfg.name}) is not "
+                                  f"a multiple of {XNNPACK_GROUP}, which XNNPACK's 4-bit kernels need; use quant=int8 or "
+                                  "a model whose widths are multiples of 32")
+            return
+        bad = {name: w for name, w in widths.items() if w % group}
+        if bad:
+            name, width = next(iter(bad.items()))
+            fits = [g for g in range(XNNPACK_GROUP, min(all_widths) + 1, XNNPACK_GROUP) if all(w % g == 0 for w in all_widths)]
+            hint = (f"choose one that divides {', '.join(map(str, all_widths))} ({', '.join(map(str, fits))})"
+                    if fits else f"no multiple of {XNNPACK_GROUP} divides all of {', '.join(map(str, all_widths))}: use quant=int8")
+            raise ConfigError(f"quant.group_size={group} does not divide the input width {width} of {name} (model "
+                              f"{model_cfg.name}); {hint}")
+
+    def describe(self, quant_cfg):
+        group = quant_cfg.group_size
+        how = f"groups of {group}" if group else "per output channel"
+        return f"int{self.bits} weights ({how}), int8 dynamic activations per token"
+
+    def apply(self, model, quant_cfg, model_cfg):
+        return _quantize_float(model, quant_cfg, self.bits)
+
+
+class Int8(_Quantized):
+    """8-bit weights per output channel, 8-bit dynamic activations (XNNPACK qc8w)."""
+
+    name, bits = "int8", 8
+
+    def check_groups(self, quant_cfg, args, model_cfg):
+        if quant_cfg.group_size != 0:
+            raise ConfigError(f"quant.group_size={quant_cfg.group_size} with quant=int8: XNNPACK's 8-bit weights have one "
+                              "scale per output channel; use quant.group_size=0 (or quant=int4 for groups)")
+
+
+class Int4(_Quantized):
+    """4-bit weights in groups of ``quant.group_size``, 8-bit dynamic activations (XNNPACK qb4w)."""
+
+    name, bits = "int4", 4
+
+
+class FromCheckpoint(_Quantized):
+    """A GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (``gguf.py``)."""
+
+    name = "from_checkpoint"
+    reference = "llama.cpp's dequantization of the GGUF"
+
+    def check_groups(self, quant_cfg, args, model_cfg):
+        check_checkpoint(model_cfg.checkpoint)
+        super().check_groups(quant_cfg, args, model_cfg)
+
+    def group_size(self, quant_cfg):
+        return XNNPACK_GROUP  # llama.cpp's blocks: 32 columns
+
+    def describe(self, quant_cfg):
+        return "the checkpoint's blocks (Q4_0 / Q4_1 / Q8_0, groups of 32), int8 dynamic activations"
+
+    def apply(self, model, quant_cfg, model_cfg):
+        from pipeline.quant.gguf import apply_blocks
+
+        return apply_blocks(model, model_cfg, quant_cfg)
+
+
+SCHEMES = {s.name: s for s in (Scheme(), Int8(), Int4(), FromCheckpoint())}  # quant.scheme (config.QuantScheme)
+
+
+def scheme(name: str) -> Scheme:
+    if name not in SCHEMES:
+        raise ConfigError(f"quant.scheme={name} is not a quantization scheme; choose one of {', '.join(SCHEMES)}")
+    return SCHEMES[name]
 
 
 def check_checkpoint(checkpoint: str | None) -> None:
@@ -61,69 +183,13 @@ def linear_widths(args) -> dict[str, int]:
     return widths
 
 
-def check(quant_cfg, args, model_cfg, backend_name: str, draft_name: str | None, validate_cfg) -> None:
-    """Refuse a quantization this build cannot make, from the config alone (``draft_name``: the draft's
-    preset, None without one)."""
-    scheme = quant_cfg.scheme
-    if scheme == "none":
-        return
-    for name in ("quant_tolerance", "max_logit_error"):
-        if not validate_cfg[name] > 0:
-            raise ConfigError(f"validate.{name}={validate_cfg[name]} must be positive")
-    if not 0 <= validate_cfg.min_token_agreement <= 1:
-        raise ConfigError(f"validate.min_token_agreement={validate_cfg.min_token_agreement} must be a fraction in [0, 1]")
-    if backend_name != "xnnpack":
-        raise ConfigError(f"quant.scheme={scheme} needs backend=xnnpack (its quantized kernels run the weights); "
-                          f"backend={backend_name} runs quant=none only")
-    if draft_name is not None:
-        raise ConfigError(f"quant.scheme={scheme} with draft={draft_name}: quantized speculative artifacts are not "
-                          "built yet (the draft's validation holds greedy output to the unquantized target); use quant=none")
-    if model_cfg.dtype != "float32":
-        raise ConfigError(f"quant.scheme={scheme} with model.dtype={model_cfg.dtype}: the quantized kernels compute "
-                          "in float32; use model.dtype=float32")
-    group = quant_cfg.group_size
-    if scheme == "int8" and group != 0:
-        raise ConfigError(f"quant.group_size={group} with quant=int8: XNNPACK's 8-bit weights have one scale per "
-                          "output channel; use quant.group_size=0 (or quant=int4 for groups)")
-    if scheme == "from_checkpoint":
-        check_checkpoint(model_cfg.checkpoint)
-        group = XNNPACK_GROUP
-    if group < 0 or group % XNNPACK_GROUP:
-        raise ConfigError(f"quant.group_size={group} is not a multiple of {XNNPACK_GROUP} (XNNPACK's 4-bit groups) "
-                          "nor 0 (one scale per output channel)")
-    if scheme == "int8":
-        return
-    # XNNPACK's 4-bit weights are groups of a multiple of 32 columns; one scale per channel is a group
-    # of the whole input width, so that width must be such a multiple too
-    widths = linear_widths(args) | ({"tok_embeddings (its rows)": args.dim} if quant_cfg.embedding else {})
-    all_widths = sorted(set(widths.values()))
-    if not group:
-        bad = {name: w for name, w in widths.items() if w % XNNPACK_GROUP}
-        if bad:
-            name, width = next(iter(bad.items()))
-            raise ConfigError(f"quant.scheme={scheme}: the input width {width} of {name} (model {model_cfg.name}) is not "
-                              f"a multiple of {XNNPACK_GROUP}, which XNNPACK's 4-bit kernels need; use quant=int8 or "
-                              "a model whose widths are multiples of 32")
-        return
-    bad = {name: w for name, w in widths.items() if w % group}
-    if bad:
-        name, width = next(iter(bad.items()))
-        fits = [g for g in range(XNNPACK_GROUP, min(all_widths) + 1, XNNPACK_GROUP) if all(w % g == 0 for w in all_widths)]
-        hint = (f"choose one that divides {', '.join(map(str, all_widths))} ({', '.join(map(str, fits))})"
-                if fits else f"no multiple of {XNNPACK_GROUP} divides all of {', '.join(map(str, all_widths))}: use quant=int8")
-        raise ConfigError(f"quant.group_size={group} does not divide the input width {width} of {name} (model "
-                          f"{model_cfg.name}); {hint}")
+def check(quant_cfg, args, model_cfg, backend, quantizing: list[str], draft_name: str | None, validate_cfg) -> None:
+    """Refuse a quantization this build cannot make, from the config alone (``Scheme.check``)."""
+    scheme(quant_cfg.scheme).check(quant_cfg, args, model_cfg, backend, quantizing, draft_name, validate_cfg)
 
 
 def describe(quant_cfg) -> str:
-    scheme, group = quant_cfg.scheme, quant_cfg.group_size
-    if scheme == "none":
-        return "none"
-    if scheme == "from_checkpoint":
-        return "the checkpoint's blocks (Q4_0 / Q4_1 / Q8_0, groups of 32), int8 dynamic activations"
-    bits = 8 if scheme == "int8" else 4
-    how = f"groups of {group}" if group else "per output channel"
-    return f"int{bits} weights ({how}), int8 dynamic activations per token"
+    return scheme(quant_cfg.scheme).describe(quant_cfg)
 
 
 def quantize(model, quant_cfg, model_cfg) -> dict:
@@ -132,8 +198,9 @@ def quantize(model, quant_cfg, model_cfg) -> dict:
     import torch
     from torch import nn
 
-    if quant_cfg.scheme == "none":
-        return {"scheme": "none"}
+    chosen = scheme(quant_cfg.scheme)
+    if not chosen.quantized:
+        return {"scheme": chosen.name}
     # every weight a scheme may quantize, as it was: the report's reference
     floats = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     if model.output is None:  # untie: the head becomes a linear of its own, quantized as the others
@@ -141,30 +208,24 @@ def quantize(model, quant_cfg, model_cfg) -> dict:
         model.output.weight = nn.Parameter(floats["tok_embeddings"].clone(), requires_grad=False)
         floats["output"] = floats["tok_embeddings"]
     with torch.no_grad():
-        if quant_cfg.scheme == "from_checkpoint":
-            from pipeline.quant.gguf import apply_blocks
-
-            formats = apply_blocks(model, model_cfg, quant_cfg)
-        else:
-            formats = _quantize_float(model, quant_cfg)
+        formats = chosen.apply(model, quant_cfg, model_cfg)
         round_scales_as_xnnpack(model)
     _drop_instance_reprs(model)
     tensors = {name: {"format": formats[name], **error_stats(dequantized(model, name), floats[name])}
                for name in formats}
-    return {"scheme": str(quant_cfg.scheme), "group_size": quant_cfg.group_size if quant_cfg.scheme != "from_checkpoint" else 32,
-            "embedding": bool(quant_cfg.embedding), "describe": describe(quant_cfg),
-            "reference": "llama.cpp's dequantization of the GGUF" if quant_cfg.scheme == "from_checkpoint" else "the float weights",
+    return {"scheme": chosen.name, "group_size": chosen.group_size(quant_cfg),
+            "embedding": bool(quant_cfg.embedding), "describe": chosen.describe(quant_cfg), "reference": chosen.reference,
             "tensors": tensors, "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
 
 
-def _quantize_float(model, quant_cfg) -> dict[str, str]:
+def _quantize_float(model, quant_cfg, bits: int) -> dict[str, str]:
     import torch
     from torch import nn
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerAxis, PerGroup, quantize_
 
     from pipeline.quant.embedding import QuantEmbedding
 
-    bits, group = (8, 0) if quant_cfg.scheme == "int8" else (4, quant_cfg.group_size)
+    group = 0 if bits == 8 else quant_cfg.group_size
     quantize_(model, Int8DynamicActivationIntxWeightConfig(
         weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=PerGroup(group) if group else PerAxis(0)),
         filter_fn=lambda m, fqn: isinstance(m, nn.Linear))

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.errors import BuildError
-from pipeline.quant import BLOCK, FLOAT, weights_2d
+from pipeline.quant.formats import BLOCK, FLOAT, weights_2d
 
 
 def blocks(tensor) -> dict:

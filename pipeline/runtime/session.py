@@ -80,7 +80,9 @@ class Session:
         if methods is None:
             from executorch.runtime import Runtime
 
-            if self.manifest.get("quant", {}).get("scheme", "none") != "none":
+            from pipeline.quant import scheme
+
+            if scheme(self.manifest.get("quant", {}).get("scheme", "none")).quantized:
                 # the quantized embedding ops' kernels (embedding_byte / embedding_4bit) register with the
                 # runtime when this library loads; without it the method fails to load (OperatorMissing)
                 import executorch.kernels.quantized  # noqa: F401

@@ -14,10 +14,22 @@ from pipeline.errors import ConfigError
 @dataclass(frozen=True)
 class Stage:
     name: str
-    sections: tuple[str, ...]  # config sections passed to run, in order
+    config: tuple[str, ...]  # config sections its result depends on, besides its models' (``models``)
     needs: tuple[str, ...]  # artifacts from earlier stages
     gives: tuple[str, ...]
     optional: tuple[str, ...] = ()  # artifacts of earlier stages it takes when they ran (export_vision's)
+    # whose config sections it reads: "built" (the roles it builds), "kv" (the roles that keep KV), "all", "none"
+    models: str = "built"
+
+    @property
+    def sections(self) -> tuple[str, ...]:
+        """The config sections its cache key holds: ``config`` and its models' sections, in the role table's order."""
+        from pipeline.build.roles import ROLES
+
+        reads = {"built": lambda r: r.stage == self.name, "kv": lambda r: r.store is not None,
+                 "all": lambda r: True, "none": lambda r: False}[self.models]
+        roles = [r for r in ROLES.values() if reads(r)]
+        return tuple(dict.fromkeys([*self.config[:1], *(r.section for r in roles), *self.config[1:]]))
 
     def load(self):
         import importlib
@@ -28,13 +40,13 @@ class Stage:
 STAGES = {
     s.name: s
     for s in (
-        Stage("export_vision", ("vision", "model"), (), ("vision_models", "vision_exported")),
-        Stage("export", ("model", "draft", "quant"), (), ("models", "exported", "tokenizer", "quant")),
-        Stage("lower_kv", ("model", "draft", "kv", "backend"), ("exported",), ("lowered",)),
+        Stage("export_vision", ("model",), (), ("vision_models", "vision_exported")),
+        Stage("export", ("model", "quant"), (), ("models", "exported", "tokenizer", "quant")),
+        Stage("lower_kv", ("model", "kv", "backend"), ("exported",), ("lowered",), models="kv"),
         Stage("compile", ("backend",), ("lowered", "tokenizer", "quant"), ("program", "manifest", "partitions"),
-              optional=("vision_exported",)),
-        Stage("validate", ("validate", "vision", "model", "draft", "kv", "backend", "quant"), ("models", "lowered", "program"),
-              ("validation",), optional=("vision_models", "vision_exported")),
+              optional=("vision_exported",), models="none"),
+        Stage("validate", ("validate", "kv", "backend", "quant"), ("models", "lowered", "program"), ("validation",),
+              optional=("vision_models", "vision_exported"), models="all"),
     )
 }
 

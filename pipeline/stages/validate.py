@@ -79,7 +79,7 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     validate_cfg, quant_cfg = cfg.validate, cfg.quant
     models = {**inputs["models"], **(inputs.get("vision_models") or {})}
     model, draft, vision = models[TARGET], models.get(DRAFT), models.get(VISION)
-    quantized = quant_cfg.scheme != "none"
+    quantized = build.quant.quantized
     unquantized = None
     if quantized:  # the scheme's cost is measured against the model before quantization
         from pipeline.models.methods import build_target
