@@ -27,8 +27,8 @@ warnings.filterwarnings("ignore")
 def build(layout: str, seqs: int, root: str) -> Path:
     from hydra import compose, initialize_config_dir
 
-    from pipeline.config import register
     from pipeline.build.runner import build as run_build
+    from pipeline.config import register
 
     register()
     conf = str(Path(__file__).resolve().parent.parent / "conf")

@@ -51,10 +51,10 @@ def convert(gguf: Path, out: Path) -> tuple[Path, Path]:
     """The GGUF as Meta's checkpoint format: ``smollm2.pth`` and ``params.json``."""
     from dataclasses import replace
 
+    from pipeline.build.plan import resolve_model
     from pipeline.models.args import model_args
     from pipeline.models.families import family
     from pipeline.models.loaders.gguf import read_weights
-    from pipeline.build.plan import resolve_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import compose_config

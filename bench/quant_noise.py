@@ -46,10 +46,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="prompt length (positions measured)")
     args = parser.parse_args()
 
-    from pipeline.models.tokenizer import load_tokenizer
-    from pipeline.quant import quantize
     from pipeline.build.plan import resolve_model
     from pipeline.models.methods import build_target
+    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.quant import quantize
 
     rows = []
     for scheme in ["none", *args.schemes]:

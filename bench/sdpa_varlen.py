@@ -1,7 +1,7 @@
 """Benchmark of the Triton ``sdpa_varlen`` kernels (plan + attention) on one CUDA GPU.
 
     PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py [--quick] [--sweep] [--profile] [--out PATH]
-                                                  [--compare OLD_MODULE.py|OLD_DIR] [--plan-compare [OLD_PLAN.py]]
+                                                  [--compare OLD_MODULE.py|OLD_DIR] [--plan-compare [OLD]]
 
 Times (median over CUDA-graph replays, K/V rotated over several buffers so the working set
 is far above L2) our kernel on the column store [rows * columns, Hkv, D] and, on the same
@@ -12,13 +12,15 @@ installed torch has no ``enable_gqa``; packing not timed), FlexAttention with a 
 Imports neither executorch's exporter nor hydra.  ``--compare`` times another version of
 the kernel (a single-file module, e.g. ``git show 04d2c43:pipeline/kernels/sdpa_varlen.py >
 old.py``, or a package directory: ``bench/sdpa/versions.py``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
-variants of ``Tuning`` first (reported; the table uses the defaults).  ``--plan-compare``
-times the plan alone (16 launches per graph and 1), beside an earlier ``plan.py`` if given.
+variants of ``Tuning`` first (reported; the table uses the defaults); its groups for the paths removed
+from ours (two launches, the merge launch, descriptor loads) time the package in
+``bench/sdpa/variants/`` that still has them.  ``--plan-compare`` times the plan alone (16
+launches per graph and 1), beside an earlier version's (what ``--compare`` takes) if given.
 
 Parts: ``bench/sdpa/timing.py`` (graph timing), ``workloads.py`` (cases), ``ours.py`` (our
 calls as timed), ``peers.py``, ``versions.py`` (earlier versions of the kernel, for ``--compare`` /
-``--plan-compare``), ``experiments.py`` (sweep, plan alone, profile), ``report.py`` (the
-markdown, with the issue's goals marked met or not).
+``--plan-compare``, and the sweep's variants), ``experiments.py`` (sweep, plan alone, profile),
+``report.py`` (the markdown, with the issue's goals marked met or not).
 """
 
 import argparse
@@ -86,8 +88,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-launch GPU times of our kernel on the sweep cases")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--compare", help="another version of the kernel (a .py file or a package directory), timed beside ours")
-    ap.add_argument("--plan-compare", nargs="?", const="", metavar="OLD_PLAN.py",
-                    help="the plan alone on the sweep cases (16 and 1 launches per graph), beside an earlier plan.py if given")
+    ap.add_argument("--plan-compare", nargs="?", const="", metavar="OLD",
+                    help="the plan alone on the sweep cases (16 and 1 launches per graph), beside an earlier version's "
+                         "(a .py file or a package directory, as --compare) if given")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this many seconds")
     args = ap.parse_args()
     t_start = time.time()

@@ -10,6 +10,8 @@ fixed cost per call.  The per-key time and the fixed cost are the eighth round's
 rows (docs/benchmarks_gpu_sdpa.md: B=16 L=8k 133.3 µs, the B=1 fit 13.4 µs fixed); alpha 1.75
 puts the skewed rows within ~5% of their measured times there.  A model, not a measurement:
 it ranks rules for a sweep on the GPU (``bench/sdpa_varlen.py --sweep --sweep-group 'item cap'``).
+That sweep measured ``item_cap=1.5``, now the default, at -10% on skewed B=16 L~8k where the model
+said ~-20% (docs/benchmarks_gpu_sdpa.md, "Tuning history"); 0 is the uncapped plan.
 """
 
 import argparse

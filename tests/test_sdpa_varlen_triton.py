@@ -29,7 +29,6 @@ except Exception as exc:  # pragma: no cover - triton is a pinned dependency
 
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.reference import sdpa_varlen_reference  # noqa: E402
-from pipeline.kernels.sdpa_varlen import tuning as KT  # noqa: E402
 
 # max |out - ref| allowed against the float64 reference, by dtype
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -203,26 +202,6 @@ def test_mixed_step(hq, hkv, causal, window):
         assert out[t_before].abs().max() == 0
 
 
-@needs_kernels
-@pytest.mark.parametrize("causal", [True, False])
-def test_descriptor_loads(causal):
-    """Tuning.tma_paths on every path: the unmasked tiles inside one segment read
-    through tensor descriptors (the mixed step's wrapped rings give tiles inside segment 0,
-    inside segment 1 and across the two, which keep gathered loads), with the long path on."""
-    args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=11 + causal)
-    tuning = dataclasses.replace(SMALL["tuning"], pre_block_m=16, long_block_m=32, long_min_tokens=0,
-                                 tma_paths=7)
-    check(args, 5, causal, 0, expect_split=True, tuning=tuning)
-    # rings wrapped a few rows from their end: items wholly inside segment 1
-    wrapped = [dict(col=0, n_keys=62, start_row=60, first_pos=0, n_q=1),
-               dict(col=1, n_keys=62, start_row=61, first_pos=3, n_q=5),
-               dict(col=2, n_keys=63, start_row=59, first_pos=9, n_q=12)]
-    args = make_step(wrapped, columns=3, rows=64, hq=4, hkv=2, d=16, seed=13 + causal)
-    check(args, 3, causal, 0, expect_split=True, tuning=tuning)
-    with pytest.raises(ValueError, match="tma_paths=8"):
-        K.Tuning(tma_paths=8)
-
-
 def test_nonpositive_scale_refused():
     """The kernel keeps its running maxima in scaled units (one multiply-add per score), which
     needs scale > 0: anything else is refused before a launch."""
@@ -339,17 +318,6 @@ def test_key_tile_across_the_ring_wrap(causal, gap):
 
 
 @needs_kernels
-def test_two_launches_match_one():
-    """Tuning.split_launch (decode items, then multi-token items, each launch merging its own
-    splits) computes exactly what one launch does, splits included."""
-    args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=13)
-    one, _, n_split = check(args, 5, True, 0, expect_split=True, **SMALL)
-    two, _, _ = check(args, 5, True, 0, expect_split=True,
-                      tuning=dataclasses.replace(SMALL["tuning"], split_launch=True))
-    assert n_split >= 2 and torch.equal(one, two)
-
-
-@needs_kernels
 def test_long_launch_order():
     """The long launch runs its items last to first (``Tuning.longest_first``): the same output,
     bit for bit, as in plan order, split long blocks (merged by their last item) included."""
@@ -438,11 +406,9 @@ def test_fuzz(trial):
     # so blocks go down all three paths
     small_tiles = trial in (1, 2, 4, 5)
     check(args, columns, causal, window,
-          tuning=dataclasses.replace(SMALL["tuning"], merge_launch=trial in (1, 2), merge_rows=4,
-                                     plan_width=16 if trial in (0, 3, 4, 5) else 1024,
+          tuning=dataclasses.replace(SMALL["tuning"], plan_width=16 if trial in (0, 3, 4, 5) else 1024,
                                      pre_block_m=16 if small_tiles else 64, long_block_m=32 if small_tiles else 128,
-                                     long_min_tokens=0, longest_first=trial != 4,
-                                     tma_paths=7 if trial in (3, 5) else 0))
+                                     long_min_tokens=0, longest_first=trial != 4))
 
 
 @needs_kernels
@@ -473,9 +439,8 @@ def test_native_head_dims(d, dtype, hq, hkv):
     combos = [(True, 0), (False, 0), (True, 100)] if dtype != torch.float32 else [(True, 100)]
     for causal, window in combos:
         check(args, 6, causal, window)
-        for launch in (False, True):
-            check(args, 6, causal, window, expect_split=True if window == 0 else None,
-                  tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64, merge_launch=launch))
+        check(args, 6, causal, window, expect_split=True if window == 0 else None,
+              tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64))
 
 
 @needs_kernels
@@ -521,16 +486,14 @@ def test_planned_ops_match_one_call():
 
 
 @needs_kernels
-@pytest.mark.parametrize("per_load,group,launch", [(1, 0, False), (2, 0, False), (4, 0, False), (1, 3, False),
-                                                 (2, 2, False), (2, 3, True), (1, 0, True)])
-def test_merge_of_many_splits(per_load, group, launch):
+@pytest.mark.parametrize("per_load,group", [(1, 0), (2, 0), (4, 0), (1, 3), (2, 2), (2, 3)])
+def test_merge_of_many_splits(per_load, group):
     """A long sequence split many times, merged by the last of its items to finish, a few
     splits per load (odd remainders included); splits in proportion to each block's keys; with
-    ``group``, in two levels (groups of that many items, then the groups; a short last group);
-    with ``launch``, the split multi-token block merged by the merge launch (row tiles of 2)."""
+    ``group``, in two levels (groups of that many items, then the groups; a short last group)."""
     # per_load splits per merge load for G_PAD=2, 16 columns
     tuning = K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16,
-                      merge_tile=per_load * 2 * 16, merge_group=group, merge_launch=launch, merge_rows=2)
+                      merge_tile=per_load * 2 * 16, merge_group=group)
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
     args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4 + per_load)
@@ -542,50 +505,78 @@ def test_merge_of_many_splits(per_load, group, launch):
     long = next(b for b in blocks if b[int(K.F_NTOK)] == 1)
     assert long[int(K.F_NSPLIT)] >= 5, f"the long sequence should have at least 5 splits: {long}"
     assert long[int(K.F_CHUNK)] * (long[int(K.F_NSPLIT)] - 1) < 300 <= long[int(K.F_CHUNK)] * long[int(K.F_NSPLIT)]
-    multi = next(i for i, b in enumerate(blocks) if b[int(K.F_NTOK)] == 3)
-    assert blocks[multi][int(K.F_NSPLIT)] >= 2 and int(plan[int(K.H_MULTI_SPLITS)]) == 1
-    geo0 = K.geometry_of(args[0], args[1], args[2], 2, tuning)
-    assert int(plan[geo0.mlist_off]) == multi, "the split list names the split multi-token block"
+    multi = next(b for b in blocks if b[int(K.F_NTOK)] == 3)
+    assert multi[int(K.F_NSPLIT)] >= 2, f"the multi-token block should be split: {multi}"
     geo = K.geometry_of(args[0], args[1], args[2], 2, tuning)
     assert geo.spl_dec == per_load
     tickets = plan[geo.tickets_off: geo.tickets_off + geo.n_tickets]
     assert int(tickets.abs().sum()) == 0, "every merge ticket is back to zero after the launch"
 
 
+# The episode's tuning: few programs per launch (the interpreter is slow; the registered ops' Tuning()
+# makes 264 // Hkv items per KV head, most of them exiting at once) and splits even on short histories.
+EPISODE = K.Tuning(target_ctas=8, min_chunk=16, min_chunk_multi=16)
+
+
+def _plan_under_episode_tuning(*args, **kwargs):
+    return K.sdpa_varlen_plan_impl(*args, **kwargs, tuning=EPISODE)
+
+
+def _attend_under_episode_tuning(*args, **kwargs):
+    return K.sdpa_varlen_attend_impl(*args, **kwargs, tuning=EPISODE)
+
+
+def _with_episode_tuning(module) -> int:
+    """Points a lowered method's planned-attention ops at their ``*_impl`` under ``EPISODE`` (the
+    same arguments; the registered ops pass ``Tuning()``); returns how many it changed."""
+    swap = {torch.ops.kvcache.sdpa_varlen_plan.default: _plan_under_episode_tuning,
+            torch.ops.kvcache.sdpa_varlen_attend.default: _attend_under_episode_tuning}
+    swapped = 0
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in swap:
+            node.target = swap[node.target]
+            swapped += 1
+    module.recompile()
+    return swapped
+
+
 @needs_kernels
 @pytest.mark.skipif(NATIVE, reason="CPU interpreter test; on a GPU the pipeline's validate stage does this")
-def test_cuda_lowering_runs_an_episode(tmp_path, monkeypatch):
+def test_cuda_lowering_runs_an_episode(tmp_path):
     """The graphs lower_kv builds for backend=cuda (one plan per layer kind, Triton attention
-    per layer; here in the interpreter), driven through a continuous-batching episode with
-    the methods sharing their KV stores, match the eager oracle."""
+    per layer; here in the interpreter, their ops run under ``EPISODE``), driven through a
+    continuous-batching episode with the methods sharing their KV stores, match the eager oracle."""
     from conftest import compose_config
-    from pipeline.kv.manifest import manifest
+    from pipeline.build.manifest import manifest
+    from pipeline.build.plan import plan_of
+    from pipeline.build.roles import TARGET
     from pipeline.runtime.session import Session
     from pipeline.stages import export, lower_kv, validate
 
-    # few programs per launch (the interpreter is slow), and splits even on short histories
-    monkeypatch.setattr(KT, "DEFAULT", K.Tuning(target_ctas=8, min_chunk=16, min_chunk_multi=16))
-    cfg = compose_config("kv=sequence", "kv.max_seqs=2", "kv.max_step_tokens=8", "backend=cuda",
+    cfg = compose_config("kv=sequence", "kv.max_seqs=2", "kv.max_step_tokens=8", "backend=cuda", "stages=[export,lower_kv]",
                          "validate.prompt_lengths=[11,4,13]", "validate.decode_steps=12")
-    exported = export.run(cfg.model, cfg.draft, cfg.quant, {}, tmp_path)
-    lowered = lower_kv.run(cfg.model, cfg.kv, cfg.backend, exported, tmp_path)
-    kinds = {layer["kind"] for layer in lowered["kv_sections"]["target"]["layers"]}
+    plan = plan_of(cfg)  # the GPU is needed from compile on: not here
+    exported = export.run(plan, {}, tmp_path)
+    lowered = lower_kv.run(plan, exported, tmp_path)
+    kinds = set(plan.target.layout.kinds)
     for name in ("target_forward_from_embeddings",):
         targets = [str(n.target) for n in lowered["lowered"][name].graph.nodes if n.op == "call_function"]
         assert targets.count("kvcache.sdpa_varlen_plan.default") == len(kinds)  # once per layer kind
         assert targets.count("kvcache.sdpa_varlen_attend.default") == cfg.model.n_layers
-    stores, runners = {}, {}
+    stores, runners, swapped = {}, {}, {}
     for name, ep in lowered["lowered"].items():
         module = ep.module()
+        swapped[name] = _with_episode_tuning(module)
         for fqn, buf in list(module.named_buffers()):
             if fqn.startswith("kv_store."):  # one set of stores for every method, as in the .pte
                 setattr(module.kv_store, fqn.split(".", 1)[1], stores.setdefault(fqn, torch.randn_like(buf)))
         runners[name] = lambda args, m=module: [m(*args)]
+    assert swapped["target_forward_from_embeddings"] == len(kinds) + cfg.model.n_layers
     methods = {name: [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
                for name, ep in lowered["lowered"].items()}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest(lowered["kv_sections"], "cuda", "-", [], methods)))
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest(plan.manifest_sections(), "cuda", "-", [], methods)))
     session = Session(tmp_path, methods=runners)
-    model = exported["model"]
+    model = exported["models"][TARGET]
     scripts = validate.plan(cfg.validate, session.max_seqs, model.args.vocab_size)
     stats = validate.run_episode(session, model, scripts, causal=True)
     assert stats["decode_steps"] > 0 and stats["mixed_steps"] > 0
@@ -665,3 +656,55 @@ def test_bench_numerics_and_goals(monkeypatch):
     assert report.goals([row])[2].endswith("| no |")
     assert report.goals([dict(row, tbs=3.5, ours=41.2)])[2].endswith("| yes |")
     assert "not measured" in report.goals([])[2]
+
+
+@needs_kernels
+@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py --sweep loads and runs the variant itself")
+def test_bench_variant_paths(monkeypatch):
+    """The kernel package the sweep loads for the paths removed from ours
+    (``bench/sdpa/variants/e06a1ce``), loaded as the sweep loads it, with each of those paths on:
+    two launches (exactly what one launch computes), the merge launch, and descriptor loads on every
+    path with long blocks (the mixed step's wrapped rings give unmasked tiles inside segment 0 and
+    across the two; the second step's, wrapped a few rows from their end, tiles inside segment 1).
+    Split blocks in each; within tolerance of the float64 reference."""
+    _, versions, _ = _bench_modules(monkeypatch)
+    from bench.sdpa import experiments
+
+    variant = versions.load_module(experiments.REMOVED_PATHS, "sdpa_varlen_variant")
+    small = experiments._variant_tuning(variant, SMALL["tuning"], {})
+    paths = {"one launch": {}, "two launches": dict(split_launch=True), "merge launch": dict(merge_launch=True, merge_rows=4),
+             "descriptor loads": dict(pre_block_m=16, long_block_m=32, long_min_tokens=0, tma_paths=7)}
+    wrapped = [dict(col=0, n_keys=62, start_row=60, first_pos=0, n_q=1),
+               dict(col=1, n_keys=62, start_row=61, first_pos=3, n_q=5),
+               dict(col=2, n_keys=63, start_row=59, first_pos=9, n_q=12)]
+    for seqs, columns, rows, seed in ((MIXED, 5, 48, 13), (wrapped, 3, 64, 14)):
+        args = make_step(seqs, columns=columns, rows=rows, hq=4, hkv=2, d=16, seed=seed)
+        q, k, v, q_pos, q_cols, seq_info = args
+        r64 = ref64(*args, columns, 0.25, True, 0)
+        outs = {}
+        for name, changes in paths.items():
+            geo = variant._geometry_of(q, k, v, columns, dataclasses.replace(small, **changes))
+            plan = variant.plan_impl(q_pos, q_cols, seq_info, columns, True, 0, geo)
+            assert int(plan[int(K.H_SPLIT_BLOCKS)]) > 0, f"{name}: no split block"  # the same header word there
+            outs[name] = variant.attend_impl(q, k, v, plan, columns, 0.25, True, 0, geo)
+            err = (outs[name].double().cpu() - r64).abs().max().item()
+            assert err <= TOL[torch.float32], f"{name}: max err vs float64 {err}"
+        assert torch.equal(outs["one launch"], outs["two launches"])
+
+
+@pytest.mark.skipif(NATIVE, reason="no kernel runs: once, in the interpreter's suite")
+def test_bench_sweep_groups_name_fields(monkeypatch):
+    """Every variant of ``bench/sdpa_varlen.py --sweep`` makes a valid ``Tuning`` of the package its
+    group times (ours, or the variant package, from the running choice's fields): a group naming a
+    field the package lacks would fail only on the GPU, variant by variant."""
+    _bench_modules(monkeypatch)
+    from bench.sdpa import experiments
+
+    chosen = K.Tuning()
+    for group, _, variants, package in experiments.SWEEP:
+        mod = experiments.load_module(package, "sdpa_varlen_variant") if package else None
+        for var in variants:
+            tuning = experiments._variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
+            assert all(getattr(tuning, k) == v for k, v in var.items()), (group, var)
+            if mod:  # the running choice's fields carried into the variant's Tuning
+                assert tuning.item_cap == chosen.item_cap and tuning.min_chunk == chosen.min_chunk, (group, var)

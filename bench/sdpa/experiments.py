@@ -2,38 +2,52 @@
 (``--plan-compare``) and per-launch GPU times (``--profile``)."""
 
 import dataclasses
+import os
 
 import torch
 
 from bench.sdpa.ours import PLAN_REPS, ours_calls, plan_only, plan_times, run_ours
 from bench.sdpa.timing import log, time_fn
-from bench.sdpa.versions import load_plan
+from bench.sdpa.versions import load_module
 from bench.sdpa.workloads import small_cases, sweep_cases
 from pipeline.kernels import sdpa_varlen as K
 from pipeline.kernels.sdpa_varlen import attention as K_attention
 
-# the sweep: groups of variants of Tuning, each group on top of the winners of the groups before
-# (each group's first variant is the running choice, the reference of its ratios)
+# The kernel package of e06a1ce, the last with the paths since removed from ours because they were off by
+# default and measured no win (two launches, the merge launch, descriptor loads): bench/sdpa/variants/README.md.
+REMOVED_PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "variants", "e06a1ce")
+
+# the sweep: groups of variants of Tuning, each group on top of the winners of the groups before (each
+# group's first variant is the running choice, the reference of its ratios).  A group with a package times
+# that package (its own Tuning: the running choice's fields and the variant's); its winner is reported,
+# never carried to the groups after (ours has no such field)
 SWEEP = [
     ("launches", "all", [dict(split_launch=False), dict(split_launch=True),
-                         dict(split_launch=True, dec_warps=2)]),
-    ("decode tile", "dec", [dict(dec_block_n=128), dict(dec_block_n=64)]),
-    ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)]),
-    ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)]),
-    ("merge levels", "small", [dict(merge_group=8), dict(merge_group=0)]),
-    ("multi-token merge", "pre", [dict(merge_launch=False, min_chunk_multi=2048), dict(merge_launch=True),
+                         dict(split_launch=True, dec_warps=2)], REMOVED_PATHS),
+    ("decode tile", "dec", [dict(dec_block_n=128), dict(dec_block_n=64)], None),
+    ("multi-token tile", "pre", [dict(pre_block_m=64, pre_warps=4), dict(pre_block_m=128, pre_warps=8)], None),
+    ("multi-token splits", "pre", [dict(min_chunk_multi=2048), dict(min_chunk_multi=1024)], None),
+    ("merge levels", "small", [dict(merge_group=8), dict(merge_group=0)], None),
+    ("multi-token merge", "pre", [dict(merge_launch=False), dict(merge_launch=True, min_chunk_multi=2048),
                                   dict(merge_launch=True, min_chunk_multi=1024),
-                                  dict(merge_launch=True, min_chunk_multi=512)]),
-    ("multi-token pipeline", "pre", [dict(pre_stages=3), dict(pre_stages=4), dict(pre_stages=2)]),
-    ("split target", "dec", [dict(target_ctas=528), dict(target_ctas=264), dict(target_ctas=792)]),
-    ("decode pipeline", "dec", [dict(dec_stages=3), dict(dec_stages=4), dict(dec_stages=2)]),
+                                  dict(merge_launch=True, min_chunk_multi=512)], REMOVED_PATHS),
+    ("multi-token pipeline", "pre", [dict(pre_stages=3), dict(pre_stages=4), dict(pre_stages=2)], None),
+    ("split target", "dec", [dict(target_ctas=528), dict(target_ctas=264), dict(target_ctas=792)], None),
+    ("decode pipeline", "dec", [dict(dec_stages=3), dict(dec_stages=4), dict(dec_stages=2)], None),
     ("long blocks", "pre", [dict(long_block_m=128), dict(long_block_m=0), dict(long_block_m=128, long_stages=4),
-                            dict(long_block_m=128, long_block_n=128, long_stages=2)]),
-    ("item cap", "dec", [dict(item_cap=0.0), dict(item_cap=1.5), dict(item_cap=1.25), dict(item_cap=1.0)]),
-    ("descriptor loads", "all", [dict(tma_paths=0), dict(tma_paths=7), dict(tma_paths=6), dict(tma_paths=4)]),
+                            dict(long_block_m=128, long_block_n=128, long_stages=2)], None),
+    ("item cap", "dec", [dict(item_cap=1.5), dict(item_cap=0.0), dict(item_cap=1.25), dict(item_cap=1.0)], None),
+    ("descriptor loads", "all", [dict(tma_paths=0), dict(tma_paths=7), dict(tma_paths=6), dict(tma_paths=4)],
+     REMOVED_PATHS),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
-                            dict(plan_lanes=8)]),
+                            dict(plan_lanes=8)], None),
 ]
+
+
+def _variant_tuning(mod, chosen, var):
+    """The package's own Tuning: the running choice's fields it has, then the variant's."""
+    fields = {f.name for f in dataclasses.fields(mod.Tuning)}
+    return mod.Tuning(**{**{k: v for k, v in dataclasses.asdict(chosen).items() if k in fields}, **var})
 
 
 def sweep(groups=None):
@@ -43,46 +57,50 @@ def sweep(groups=None):
     dec_cases, pre_cases = sweep_cases()
     chosen = K.Tuning()
     lines = []
-    for group, which, variants in SWEEP:
+    for group, which, variants, package in SWEEP:
         if groups and group not in groups:
             continue
         cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "plan": dec_cases + pre_cases,
                  "small": small_cases()}[which]
+        mod = load_module(package, "sdpa_varlen_variant") if package else None
         best, best_t, ref = None, float("inf"), {}
         for var in variants:
-            tuning = dataclasses.replace(chosen, **var)
+            tuning = _variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
             line, tot = [], 0.0
             for w in cases:
                 try:
                     if which == "plan":  # the plan alone
                         us = time_fn([plan_only(w, tuning)] * PLAN_REPS)
                     else:
-                        us = run_ours(w, tuning=tuning)[0]
+                        us = run_ours(w, mod=mod, tuning=tuning)[0]
                     tot += us / ref.setdefault(w.name, us)
                     line.append(f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF")
                 except Exception as e:  # noqa: BLE001  (the variant is out: reported, never chosen)
                     tot = float("inf")
                     line.append(f"{w.name}: err {type(e).__name__} {str(e)[:120]}")
                 torch.cuda.empty_cache()
-            log(f"sweep {group} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
-            lines.append(f"| {group} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
+            where = f" ({os.path.relpath(package)})" if package else ""
+            log(f"sweep {group}{where} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
+            lines.append(f"| {group}{where} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
             if tot < best_t:
                 best, best_t = tuning, tot
-        chosen = best or chosen
+        if mod is None:
+            chosen = best or chosen
     log(f"fastest on the sweep cases: {chosen}; defaults: {K.Tuning()}")
     return chosen, K.Tuning(), lines
 
 
 def plan_section(prev_path=None):
-    """The plan alone on the sweep cases, ours beside an earlier plan.py (``--plan-compare``)."""
-    prev = load_plan(prev_path) if prev_path else None
+    """The plan alone on the sweep cases, ours beside an earlier version's (``--plan-compare``: a
+    package directory or a one-file module, as ``--compare`` takes)."""
+    prev = load_module(prev_path) if prev_path else None
     dec_cases, pre_cases = sweep_cases()
     head = "| case | ours µs (16 per graph) | ours µs (1 per graph) |" + (
         " prev µs (16 per graph) | prev µs (1 per graph) | prev/ours (16) |" if prev else "")
     lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for w in dec_cases + pre_cases:
         try:
-            t = plan_times(w, prev_plan=prev)
+            t = plan_times(w, prev=prev)
             cells = [t["ours", PLAN_REPS], t["ours", 1]]
             if prev:
                 cells += [t["prev", PLAN_REPS], t["prev", 1]]

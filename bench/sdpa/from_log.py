@@ -6,10 +6,7 @@ sweep variant), for a run that was stopped before it wrote its report:
 Only what the log holds: rows, sweep lines, numerics, the machine's ceilings."""
 
 import argparse
-import ast
 import re
-
-from pipeline.kernels import sdpa_varlen as K
 
 from . import report
 
@@ -42,15 +39,10 @@ def parse(text):
         elif line.startswith("read bandwidth"):
             head["read"], head["mm"] = (float(x) for x in re.findall(r": ([\d.]+) T", line))
         elif line.startswith("fastest on the sweep cases: Tuning("):
-            head["chosen"] = line.split(": ", 1)[1].split("; defaults")[0]
+            head["chosen"], head["defaults"] = line.split(": ", 1)[1].split("; defaults: ")
         elif "cases; ours timed with Tuning(" in line:
             head["table"] = line.split("ours timed with ", 1)[1]
     return rows, sweep, num, head
-
-
-def _tuning(text):
-    """Tuning(a=1, ...) as printed -> Tuning."""
-    return K.Tuning(**{k: ast.literal_eval(v) for k, v in re.findall(r"(\w+)=([^,)]+)", text)})
 
 
 def main():
@@ -66,10 +58,10 @@ def main():
     class Prop:  # the name line is replaced below by the log's own
         name, multi_processor_count = "?", 0
 
-    chosen = _tuning(head["chosen"]) if "chosen" in head else None
+    # the Tuning values as the log printed them: a log of an earlier version names fields ours may not have
+    sweep_result = (head.get("chosen", "?"), head.get("defaults", "?"), sweep) if sweep else None
     text = report.markdown(cmd=args.cmd, prop=Prop, read_tbs=head["read"], mm_tf=head["mm"], rows=rows, num=num,
-                           compare=None, sweep=(chosen, K.Tuning(), sweep) if sweep else None,
-                           table_tuning=_tuning(head["table"]) if "table" in head else K.Tuning(),
+                           compare=None, sweep=sweep_result, table_tuning=head.get("table", "?"),
                            profile=[], skipped=[], budget_s=0, wall_s=0, final=True)
     lines = text.splitlines()
     lines = [ln for ln in lines if not ln.startswith("Total bench wall time")]

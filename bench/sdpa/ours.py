@@ -1,8 +1,7 @@
 """Our kernel's calls as the benchmark times them: one layer's attention along a plan computed
-once (a lowered model plans once per step and layer kind), the plan alone, and an earlier
-version of the kernel on the same inputs (``--compare``)."""
+once (a lowered model plans once per step and layer kind), the plan alone, and another version
+of the kernel on the same inputs (``--compare``, the sweep's variants)."""
 
-import dataclasses
 import inspect
 import math
 
@@ -12,15 +11,16 @@ from pipeline.kernels import sdpa_varlen as K
 
 def ours_calls(w, mod=None, tuning=None, inputs=None):
     """One layer's attention calls on w (one per rotated K/V copy) along a plan computed once,
-    the plan call itself, and that plan.  mod: an earlier version (--compare); inputs: w's
-    (``w.ours_inputs``), when already built."""
+    the plan call itself, and that plan.  mod: another version (``versions.load_module``; tuning: its
+    own ``Tuning``, or None for its defaults); inputs: w's (``w.ours_inputs``), when already built."""
     q, kvs, q_pos, q_cols, seq_info, cols = inputs or w.ours_inputs(n_rot(w.kv_read))
     scale = 1 / math.sqrt(w.d)
     if mod is None:
         geo = K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning)
         plan_impl, attend_impl, pre = K.plan_impl, K.attend_impl, ()
     else:
-        geo = mod._geometry_of(q, kvs[0][0], kvs[0][1], cols)
+        k0, v0 = kvs[0]  # a one-file version's _geometry_of takes no tuning
+        geo = mod._geometry_of(q, k0, v0, cols) if tuning is None else mod._geometry_of(q, k0, v0, cols, tuning)
         plan_impl, attend_impl = mod.plan_impl, mod.attend_impl
         pre = (q_pos,) if "q_pos" in inspect.signature(mod.attend_impl).parameters else ()  # earlier versions took it
 
@@ -44,22 +44,23 @@ def run_ours(w, mod=None, tuning=None):
     return time_fn(fns), time_fn([plan_call] * PLAN_REPS)
 
 
-def plan_only(w, tuning=None, plan_impl=None, **geo_changes):
-    """The plan call alone on w's inputs (``plan_impl``: an earlier version's; ``geo_changes``:
-    fields of the geometry replaced for it)."""
+def plan_only(w, tuning=None, mod=None):
+    """The plan call alone on w's inputs (``mod``: another version, with its own geometry)."""
     q, kvs, q_pos, q_cols, seq_info, cols = w.ours_inputs(1)
-    geo = dataclasses.replace(K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning), **geo_changes)
-    plan_impl = plan_impl or K.plan_impl
+    if mod is None:
+        geo, plan_impl = K.geometry_of(q, kvs[0][0], kvs[0][1], cols, tuning), K.plan_impl
+    else:
+        geo, plan_impl = mod._geometry_of(q, kvs[0][0], kvs[0][1], cols), mod.plan_impl
     return lambda: plan_impl(q_pos, q_cols, seq_info, cols, w.causal, w.window, geo)
 
 
-def plan_times(w, tuning=None, prev_plan=None, prev_warps=8):
+def plan_times(w, tuning=None, prev=None):
     """The plan alone, side by side: ours per launch of PLAN_REPS in one graph, ours as the one
-    launch of a graph (the graph's launch included), and (prev_plan) an earlier plan kernel
-    both ways on ``prev_warps`` warps.  Each timed twice, alternating; the lower of each kept."""
+    launch of a graph (the graph's launch included), and (prev) an earlier version's plan both
+    ways, under its own defaults.  Each timed twice, alternating; the lower of each kept."""
     calls = {"ours": plan_only(w, tuning)}
-    if prev_plan is not None:
-        calls["prev"] = plan_only(w, tuning, prev_plan.plan_impl, plan_warps=prev_warps)
+    if prev is not None:
+        calls["prev"] = plan_only(w, mod=prev)
     best = {}
     for _ in range(2):
         for name, call in calls.items():

@@ -40,15 +40,15 @@ class Backend:
     # table, ``pipeline/passes/edge.py``) instead of ``to_edge_transform_and_lower``'s four
     one_retrace = True
 
-    def attention_kernel(self) -> dict:
-        """The ops lower_kv's store lowering calls: ``sdpa_varlen_rows`` (the ATen attention over the
-        rows the step reads), or ``sdpa_plan`` + ``sdpa_varlen`` where the attention is planned once
-        per step and layer kind."""
+    def attention_kernel(self):
+        """The ops lower_kv's store lowering calls (``kv.layouts.AttentionKernel``): the ATen attention
+        over the rows the step reads, or a plan once per step and layer kind and the attention it drives."""
         import torch
 
         import pipeline.kernels.reference  # noqa: F401  (registers the kvcache:: attention ops)
+        from pipeline.kv.layouts import AttentionKernel
 
-        return {"sdpa_varlen_rows": torch.ops.kvcache.sdpa_varlen_rows.default}
+        return AttentionKernel(rows=torch.ops.kvcache.sdpa_varlen_rows.default)
 
     def inlined(self) -> dict:
         """Custom ops the backend has no kernel for -> their ATen bodies (run_decompositions table)."""

@@ -23,13 +23,14 @@ class Cuda(Backend):
     reinplace_stores = False  # the store writes run inside the AOTI delegate
     one_retrace = False  # ExecuTorch's to_edge_transform_and_lower: the one-retrace path is not measured on a GPU
 
-    def attention_kernel(self) -> dict:
+    def attention_kernel(self):
         import torch
 
         from pipeline.kernels import sdpa_varlen  # noqa: F401  (registers the Triton ops)
+        from pipeline.kv.layouts import AttentionKernel
 
-        return {"sdpa_varlen": torch.ops.kvcache.sdpa_varlen_attend.default,
-                "sdpa_plan": torch.ops.kvcache.sdpa_varlen_plan.default}
+        return AttentionKernel(plan=torch.ops.kvcache.sdpa_varlen_plan.default,
+                               attend=torch.ops.kvcache.sdpa_varlen_attend.default)
 
     def inlined(self) -> dict:
         import torch

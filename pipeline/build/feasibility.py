@@ -99,10 +99,10 @@ def check_draft(draft, target: ModelArgs, draft_cfg) -> None:
 def check_vision(vision_cfg, target: ModelArgs):
     """The encoder against the target: its tokens at the target's width, its placeholder a token of
     the target. Returns its VisionArgs (an image's tokens against a sequence's context: ``roles.Vision``)."""
-    from pipeline.models.args import vision_args
+    from pipeline.models.args import VISION_FAMILIES, vision_args
 
-    if vision_cfg.family not in ("smolvlm", "muse_glimmer"):
-        raise ConfigError(f"vision.family={vision_cfg.family} is not a vision family; choose smolvlm or muse_glimmer")
+    if vision_cfg.family not in VISION_FAMILIES:
+        raise ConfigError(f"vision.family={vision_cfg.family} is not a vision family; choose {' or '.join(VISION_FAMILIES)}")
     if vision_cfg.out_dim is not None and vision_cfg.out_dim != target.dim:
         raise ConfigError(f"vision.out_dim={vision_cfg.out_dim} differs from the target's width model.dim={target.dim}: "
                           "image tokens replace token embeddings; set vision.out_dim to null or to the target's width")

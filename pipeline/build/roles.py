@@ -338,7 +338,6 @@ class Vision(Role):
     """A vision encoder for one fixed square image size; its tokens replace placeholder embeddings."""
 
     name, section, stage = VISION, "vision", "export_vision"
-    families = ("smolvlm", "muse_glimmer")
     processor_dir = "image_processor"
 
     def preset(self, cfg):

@@ -70,7 +70,7 @@ class CellLayout(KVLayout):
     def write_slots(self, call, pos, layer: LayerStore, step: dict):
         return step["cell_ids"]
 
-    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: dict,
+    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel,
                plans: dict, q_meta, v_meta):
         import torch
 

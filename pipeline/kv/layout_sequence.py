@@ -15,7 +15,7 @@ capacity.
 
 from dataclasses import dataclass
 
-from pipeline.kv.layouts import DTYPE_BYTES, KVLayout, LayerStore, Pool, SeqState, StepBuffer, sequence_segments
+from pipeline.kv.layouts import DTYPE_BYTES, AttentionKernel, KVLayout, LayerStore, Pool, SeqState, StepBuffer, sequence_segments
 
 
 @dataclass(frozen=True)
@@ -71,25 +71,25 @@ class SequenceLayout(KVLayout):
         slots = call(aten.mul.Scalar, (call(aten.remainder.Scalar, (pos, layer.rows)), self.columns))
         return call(aten.add.Tensor, (slots, step["seq_cols"])) if "seq_cols" in step else slots
 
-    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: dict,
+    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: AttentionKernel,
                plans: dict, q_meta, v_meta):
         import torch
 
         aten = torch.ops.aten
         cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
         seq_info = step[f"seq_info_{layer.kind}"]
-        if "sdpa_plan" not in kernel:
+        if not kernel.planned:
             # the ATen attention reads (and gathers per query) the rows the step's sequences hold:
             # the first len(read_rows) rows of each query's column
             # (gathered from the whole stores: a slice of them would copy every column's rows)
             n_read = call(aten.sym_size.int, (step[f"read_rows_{layer.kind}"], 0))
-            return call(kernel["sdpa_varlen_rows"], (
+            return call(kernel.rows, (
                 q, k_store, v_store, pos, cols, seq_info, self.columns, n_read, scale, self.causal, layer.window))
         if layer.kind not in plans:  # every layer of a kind has the same bounds and shapes: one plan
-            plans[layer.kind] = call(kernel["sdpa_plan"], (
+            plans[layer.kind] = call(kernel.plan, (
                 pos, cols, seq_info, self.columns, self.causal, layer.window, q_meta.shape[1],
                 self.n_kv_heads, self.head_dim, v_meta.shape[-1], q_meta.element_size()))
-        return call(kernel["sdpa_varlen"], (
+        return call(kernel.attend, (
             q, k_store, v_store, pos, plans[layer.kind], self.columns, scale, self.causal, layer.window))
 
     def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: Pool) -> dict:

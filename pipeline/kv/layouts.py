@@ -31,6 +31,22 @@ class KVConfigError(ConfigError):
 
 
 @dataclass(frozen=True)
+class AttentionKernel:
+    """The attention ops a backend gives the store lowering (``Backend.attention_kernel``): the ATen
+    attention over the rows a step reads (``rows``: ``kvcache::sdpa_varlen_rows``), or a plan computed
+    once per step and layer kind (``plan``: ``kvcache::sdpa_varlen_plan``) and the attention it drives
+    (``attend``: ``kvcache::sdpa_varlen_attend``)."""
+
+    rows: object = None
+    plan: object = None
+    attend: object = None
+
+    @property
+    def planned(self) -> bool:
+        return self.plan is not None
+
+
+@dataclass(frozen=True)
 class LayerStore:
     kind: str  # "flat" | "ring"
     rows: int  # rows per column (cells of the pool for the cell layout)
@@ -167,7 +183,7 @@ class KVLayout:
         graph.call_function, ``step`` = the step-buffer placeholders by name)."""
         raise NotImplementedError
 
-    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: dict,
+    def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: AttentionKernel,
                plans: dict, q_meta, v_meta):
         """Graph nodes: the layer's attention over its store, [T, Hq, Dv]."""
         raise NotImplementedError

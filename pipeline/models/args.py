@@ -151,6 +151,9 @@ class VisionArgs:
         return patches + self.n_layers * layer + 2 * d + d * self.scale_factor**2 * self.out_dim
 
 
+VISION_FAMILIES = ("smolvlm", "muse_glimmer")  # vision.family: SmolVLM's tower and connector, Muse Glimmer's tower
+
+
 def vision_args(vision_cfg, target: ModelArgs):
     """The ``vision`` config section as its family's encoder settings, the output at the target's width:
     ``VisionArgs`` (smolvlm) or ``GlimmerVisionArgs`` (muse_glimmer, in the config's common names)."""

@@ -22,7 +22,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 
 from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_varlen / sdpa_cells)
-from pipeline.kv.layouts import KVLayout
+from pipeline.kv.layouts import AttentionKernel, KVLayout
 from pipeline.kv.op import NEUTRAL_OP
 
 STORE_MODULE = "kv_store"  # the default stores' module: buffers kv_store.k_<layer>, kv_store.v_<layer>
@@ -85,13 +85,14 @@ def _step_buffer_dims(layout: KVLayout, token_dim) -> tuple:
     return tuple({0: dim(buf.shape[0])} if isinstance(buf.shape[0], str) else None for buf in layout.step_buffers())
 
 
-def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs, kernel: dict | None = None) -> ExportedProgram:
+def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs,
+                      kernel: AttentionKernel | None = None) -> ExportedProgram:
     """Rewrite every neutral KV node of ``ep``; ``kernel`` (``Backend.attention_kernel()``) picks the
-    attention: ``{"sdpa_varlen_rows": op}`` (default: the ATen ``kvcache::sdpa_varlen_rows``), or with
-    ``"sdpa_plan"`` (``kvcache::sdpa_varlen_plan``) the planned form (``kvcache::sdpa_varlen_attend``):
+    attention: the ATen ``kvcache::sdpa_varlen_rows`` (``rows``, the default), or the planned form
+    (``plan``: ``kvcache::sdpa_varlen_plan``, ``attend``: ``kvcache::sdpa_varlen_attend``):
     one plan per layer kind, shared by its layers. The store index math and the attention call are the
     layout's (``KVLayout.write_slots`` / ``attend``)."""
-    kernel = kernel or {"sdpa_varlen_rows": torch.ops.kvcache.sdpa_varlen_rows.default}
+    kernel = kernel or AttentionKernel(rows=torch.ops.kvcache.sdpa_varlen_rows.default)
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
     module = unlifted(ep)

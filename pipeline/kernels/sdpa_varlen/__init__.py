@@ -2,23 +2,26 @@
 
 Two kernels per step, no host synchronisation:
 
+- ``layout.py``: the plan's int32 layout (header words, block and item record fields), named once;
 - ``plan.py``: ``_plan_kernel`` (one program) turns the step's buffers (``q_pos``, ``q_cols``,
   ``seq_info``) into a work list of *items* (a block of query tokens of one sequence x a run
-  of its visible keys), the plan's int32 layout named once there;
+  of its visible keys);
 - ``attention.py``: ``_sdpa_varlen_fwd`` runs the items for every KV head in one launch (a second for long blocks),
   the splits of a long block merged by the last of them to finish;
-- ``tiles.py``: the key-tile loops (online softmax over a range of an item's key tiles);
-- ``merge.py``: the log-sum-exp merges of split blocks' partials (fused, and the merge launch);
-- ``tuning.py``: the tiles and split targets (``Tuning``, a frozen value; ``DEFAULT``) and the
-  geometry of one call derived from shapes;
-- ``ops.py``: the ``kvcache::`` ops that ``lower_kv`` emits for ``backend=cuda``.
+- ``tiles.py``: the key-tile loop (online softmax over a range of an item's key tiles);
+- ``merge.py``: the log-sum-exp merges of split blocks' partials;
+- ``tuning.py``: the tiles and split targets (``Tuning``, a frozen value) and the geometry of one
+  call derived from shapes;
+- ``ops.py``: the ``kvcache::`` ops that ``lower_kv`` emits for ``backend=cuda`` (with ``Tuning()``)
+  and their ``*_impl`` functions, which take a ``Tuning``.
 
+Imports point one way, no cycles: ``tuning`` imports ``layout``; ``plan`` those two;
+``attention`` them, ``tiles`` and ``merge``; ``ops`` ``tuning``, ``plan`` and ``attention``.
 Importing this package registers the ops.
 """
 
 from .attention import attend_impl, interpreted
-from .ops import geometry_of, sdpa_varlen_attend, sdpa_varlen_plan, sdpa_varlen_triton, sdpa_varlen_triton_impl
-from .plan import (
+from .layout import (
     F_CHUNK,
     F_ITEM0,
     F_KEND,
@@ -33,19 +36,28 @@ from .plan import (
     H_BLOCKS,
     H_CHUNK,
     H_ITEMS,
-    H_MULTI_SPLITS,
     H_PSLOTS,
     H_SPLIT_BLOCKS,
     H_TOTAL,
     HDR,
     NBF,
-    plan_impl,
 )
-from .tuning import DEFAULT, Geometry, Tuning, geometry
+from .ops import (
+    geometry_of,
+    sdpa_varlen_attend,
+    sdpa_varlen_attend_impl,
+    sdpa_varlen_plan,
+    sdpa_varlen_plan_impl,
+    sdpa_varlen_triton,
+    sdpa_varlen_triton_impl,
+)
+from .plan import plan_impl
+from .tuning import Geometry, Tuning, geometry
 
 __all__ = [
-    "DEFAULT", "F_CHUNK", "F_ITEM0", "F_KEND", "F_KSTART", "F_N0", "F_NSPLIT", "F_NTOK", "F_POS0", "F_POS1",
-    "F_ROW0", "F_ROW1", "Geometry", "HDR", "H_BLOCKS", "H_CHUNK", "H_ITEMS", "H_MULTI_SPLITS",
+    "F_CHUNK", "F_ITEM0", "F_KEND", "F_KSTART", "F_N0", "F_NSPLIT", "F_NTOK", "F_POS0", "F_POS1",
+    "F_ROW0", "F_ROW1", "Geometry", "HDR", "H_BLOCKS", "H_CHUNK", "H_ITEMS",
     "H_PSLOTS", "H_SPLIT_BLOCKS", "H_TOTAL", "NBF", "Tuning", "attend_impl", "geometry", "geometry_of", "interpreted",
-    "plan_impl", "sdpa_varlen_attend", "sdpa_varlen_plan", "sdpa_varlen_triton", "sdpa_varlen_triton_impl",
+    "plan_impl", "sdpa_varlen_attend", "sdpa_varlen_attend_impl", "sdpa_varlen_plan", "sdpa_varlen_plan_impl",
+    "sdpa_varlen_triton", "sdpa_varlen_triton_impl",
 ]

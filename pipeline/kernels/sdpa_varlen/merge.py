@@ -1,12 +1,10 @@
 """The merges of split blocks' fp32 partials (acc, max, sum), by log-sum-exp in slot order:
-``_merge_rows`` (R rows of one block for one KV head), ``_merge_last`` (the fused merge: the last of
-a block's items to take its ticket merges them all) and ``_merge_split_blocks`` (the merge launch of
-``Tuning.merge_launch``).  ``attention.py`` calls them; the partials' layout is its."""
+``_merge_rows`` (R rows of one block for one KV head) and ``_merge_last`` (the last of a block's
+items to take its ticket merges them all).  ``attention.py`` calls them from the attention launch;
+the partials' layout is its."""
 
 import triton
 import triton.language as tl
-
-from .plan import F_NSPLIT, F_NTOK, F_PSLOT0, F_TOK0, H_MULTI_SPLITS
 
 
 @triton.jit
@@ -65,21 +63,3 @@ def _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok
                     G, G_PAD, DV, PM, R, SPL)
         tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next layer's launch
 
-
-@triton.jit
-def _merge_split_blocks(out, plan, part_o, part_ml, stride_ot, stride_oh, MLIST_OFF,
-                        G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PM: tl.constexpr,
-                        R: tl.constexpr, SPL: tl.constexpr, NBF_: tl.constexpr, HDR_: tl.constexpr):
-    """The merge launch (``Tuning.merge_launch``): program (i, h, c) merges rows
-    [c * R, c * R + R) of the i-th split multi-token block of the plan's split list for KV
-    head h, after the attention launch wrote all its partials (grid bounded from shapes;
-    programs past the list or the block's rows exit)."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    c = tl.program_id(2)
-    if i < tl.load(plan + H_MULTI_SPLITS):
-        bp = plan + HDR_ + tl.load(plan + MLIST_OFF + i) * NBF_
-        ntok = tl.load(bp + F_NTOK)
-        if c * R < ntok * G_PAD:
-            _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, tl.num_programs(1), tl.load(bp + F_TOK0), ntok,
-                        tl.load(bp + F_NSPLIT), tl.load(bp + F_PSLOT0), 1, -1, c * R, G, G_PAD, DV, PM, R, SPL)

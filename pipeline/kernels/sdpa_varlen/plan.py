@@ -9,15 +9,15 @@ two) segments through a per-column table built from ``seq_info``, trims them to 
 the causal and window bounds leave visible, and cuts each block's visible keys into ``n``
 equal items, ``n`` in proportion to the block's share of the step's visible keys
 (``target_items`` in all, about ``Tuning.target_ctas`` programs with the KV heads), none
-shorter than ``min_chunk`` keys (``min_chunk_multi`` for multi-token blocks).  It writes one
-self-contained record per item and zeroes the merge tickets.  The number of blocks is bounded from shapes by
+shorter than ``min_chunk`` keys (``min_chunk_multi`` for multi-token blocks) and, where the
+step's items then stay within ``target_items``, none longer than ``Tuning.item_cap`` nominal
+chunks (a long sequence among short ones is cut).  It writes one self-contained record per
+item and zeroes the merge tickets.  The number of blocks is bounded from shapes by
 ``min(T, T // TOKB + 2 * min(T, columns) + 1)``; this holds when each sequence's tokens are
 contiguous in q (the contract).
 
-The plan is int32 words: [header | blocks | item marks | merge tickets | split list | item
-records] (the split list: the multi-token blocks that are split, for the merge launch), the
-fields named once below (``H_*`` header words, ``F_*`` fields of a block or item record);
-``tuning.geometry`` gives the offsets of the parts.
+The plan is int32 words: [header | blocks | item marks | merge tickets | item records], its
+fields named once in ``layout.py``; ``tuning.geometry`` gives the offsets of the parts.
 """
 
 import torch
@@ -25,37 +25,33 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .layout import (
+    F_CHUNK,
+    F_COL,
+    F_ITEM0,
+    F_KEND,
+    F_KSTART,
+    F_N0,
+    F_N1,
+    F_NSPLIT,
+    F_NTOK,
+    F_POS0,
+    F_POS1,
+    F_PSLOT0,
+    F_QPOS,
+    F_ROW0,
+    F_ROW1,
+    F_TOK0,
+    H_BLOCKS,
+    H_CHUNK,
+    H_ITEMS,
+    H_PSLOTS,
+    H_SPLIT_BLOCKS,
+    H_TOTAL,
+    HDR,
+    NBF,
+)
 from .tuning import Geometry
-
-# ---- the plan: int32 words.  [header | blocks | item marks | merge tickets | split list | item records]
-HDR = 16  # header words: H_BLOCKS, H_ITEMS, H_SPLIT_BLOCKS, H_CHUNK, H_TOTAL, H_PSLOTS, H_MULTI_SPLITS
-H_BLOCKS = tl.constexpr(0)
-H_ITEMS = tl.constexpr(1)
-H_SPLIT_BLOCKS = tl.constexpr(2)
-H_CHUNK = tl.constexpr(3)  # visible keys / target items: the nominal split (blocks round it to themselves)
-H_TOTAL = tl.constexpr(4)  # visible keys of the step (per KV head)
-H_PSLOTS = tl.constexpr(5)  # partial slots in use
-H_MULTI_SPLITS = tl.constexpr(6)  # split multi-token blocks (entries of the split list)
-# A block and an item record share one layout of NBF fields; a record is its block's
-# fields plus the item's own key range.
-NBF = 16
-F_TOK0 = tl.constexpr(0)  # first query token (index into q)
-F_NTOK = tl.constexpr(1)  # query tokens
-F_ROW0 = tl.constexpr(2)  # segment 0: first visible row, visible rows, position of that row
-F_N0 = tl.constexpr(3)
-F_POS0 = tl.constexpr(4)
-F_ROW1 = tl.constexpr(5)  # segment 1 (keys n0 .. n0 + n1 of the block's key index)
-F_N1 = tl.constexpr(6)
-F_POS1 = tl.constexpr(7)
-F_COL = tl.constexpr(8)  # column (sequence) of the block
-F_QPOS = tl.constexpr(9)  # position of the first query token (the others follow it)
-F_NSPLIT = tl.constexpr(10)  # items of the block
-F_ITEM0 = tl.constexpr(11)  # index of its first item
-F_PSLOT0 = tl.constexpr(12)  # first partial slot (-1: one item, no partials); item i of the block uses PSLOT0 + i
-F_CHUNK = tl.constexpr(13)  # keys per item (a multiple of the key tile)
-F_KSTART = tl.constexpr(14)  # item only: its keys [KSTART, KEND) of the block's key index
-F_KEND = tl.constexpr(15)
-
 
 _SEG_NONE = tl.constexpr(2**63 - 1)  # an empty slot 0 of the per-column segment table
 
@@ -113,7 +109,7 @@ def _block_items(work, multi, total, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI, cap_o
 @triton.jit
 def _plan_kernel(
     q_pos, q_cols, seq_info, plan, col_seg,
-    T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, N_MLIST, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
+    T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, TOKB: tl.constexpr,
     BN: tl.constexpr, CH: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr, CAP_PERMILLE: tl.constexpr,
 ):
@@ -121,8 +117,7 @@ def _plan_kernel(
     blk = plan + HDR
     marks = blk + NB_MAX * NBF
     tickets = marks + W_MAX
-    mlist = tickets + N_TICKETS
-    recs = mlist + N_MLIST
+    recs = tickets + N_TICKETS
     # P0: clear the per-column segment table (slot 0: none yet, the most; slot 1: none, -1), the item
     # marks and the merge tickets.
     for base in range(0, columns, CH):
@@ -227,7 +222,6 @@ def _plan_kernel(
     n_items = tl.full([], 0, tl.int32)
     n_pslots = tl.full([], 0, tl.int32)
     n_split = tl.full([], 0, tl.int32)
-    n_msplit = tl.full([], 0, tl.int32)
     for base in range(0, nb, CH):
         b = base + offs
         bv = b < nb
@@ -247,9 +241,6 @@ def _plan_kernel(
         n_items += tl.sum(ns, 0)
         n_pslots += tl.sum(nsp, 0)
         n_split += tl.sum(is_split.to(tl.int32), 0)
-        is_msplit = (is_split & multi).to(tl.int32)
-        tl.store(mlist + n_msplit + tl.cumsum(is_msplit, 0) - 1, b, mask=is_msplit > 0)
-        n_msplit += tl.sum(is_msplit, 0)
     n_items = tl.minimum(n_items, W_MAX)
     tl.debug_barrier()
     # P5: block of each item = (number of block starts <= item) - 1; one self-contained
@@ -278,9 +269,6 @@ def _plan_kernel(
     tl.store(plan + H_CHUNK, ((total + TARGET - 1) // TARGET).to(tl.int32))
     tl.store(plan + H_TOTAL, total.to(tl.int32))
     tl.store(plan + H_PSLOTS, n_pslots)
-    tl.store(plan + H_MULTI_SPLITS, n_msplit)
-
-
 
 
 def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, causal: bool, window: int,
@@ -293,7 +281,6 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
     wrap(_plan_kernel)[(1,)](
         q_pos.contiguous(), q_cols.contiguous(), seq_info.contiguous(), plan, col_seg,
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
-        geo.n_mlist,
         geo.target_items, geo.min_chunk, geo.min_chunk_multi,
         CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=tile, CH=geo.plan_width,
         NBF=NBF, HDR=HDR, CAP_PERMILLE=geo.item_cap_permille, num_warps=geo.plan_warps,

@@ -1,22 +1,22 @@
 """Tuning of the ``sdpa_varlen`` kernels and the geometry of one call derived from it.
 
 ``Tuning`` is a frozen value passed to the launch functions (``plan_impl``, ``attend_impl``,
-``sdpa_varlen_triton_impl``); the registered ops use ``DEFAULT``.  ``bench/sdpa_varlen.py
---sweep`` times variants of it (``dataclasses.replace``) on an H200.
+``sdpa_varlen_*_impl``); the registered ops pass ``Tuning()``.  ``bench/sdpa_varlen.py --sweep``
+times variants of it (``dataclasses.replace``); why each default is what it is:
+docs/benchmarks_gpu_sdpa.md, "Tuning history".
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from .layout import HDR, NBF
+
 
 @dataclass(frozen=True)
 class Tuning:
     """Tiles are given for 2-byte elements and D <= 128; ``geometry`` shrinks them for more
-    bytes per key.  The defaults are the winners of ``bench/sdpa_varlen.py --sweep`` on an H200
-    (docs/benchmarks_gpu_sdpa.md), but for the long blocks': the sweep that timed them (on vs off) ran
-    before ``long_min_tokens`` kept them out of draft steps, and chose off on the drafts' loss;
-    they are on for the prefill gains measured beside it (docs/benchmarks.md, fifth round)."""
+    bytes per key."""
 
     dec_block_n: int = 64  # keys per tile of a one-token (decode) block
     dec_stages: int = 3  # software-pipelining depth of the decode key loop
@@ -29,34 +29,22 @@ class Tuning:
     long_stages: int = 3  # pipelining depth of the long blocks' key loops
     long_warps: int = 8  # warps of the long blocks' launch
     long_min_tokens: int = 256  # long blocks only in steps whose token count may exceed this (a static bound from the
-    # shapes): their launch costs 2-3.5 µs even when empty (H200), which smaller steps (decodes, drafts) would pay
+    # shapes): an empty long launch still costs a launch, which smaller steps (decodes, drafts) would pay
     longest_first: bool = True  # the long launch runs the plan's items last to first: a causal prefill's longest
     # blocks first, its short ones in the launch's tail
-    dec_warps: int = 4  # warps of a decode program (with split_launch)
-    pre_warps: int = 4  # warps of a multi-token program; of every program in one launch
-    split_launch: bool = False  # True: decode blocks and multi-token blocks in two launches, each compiled
-    # for its own kind (registers, warps); False: one launch for both (registers of the larger path)
-    target_ctas: int = 264  # ~2 programs per SM of an H200 (132 SMs): the splits aim at this many, never more
+    pre_warps: int = 4  # warps of the launch of decode and multi-token blocks
+    target_ctas: int = 264  # ~2 programs per SM of a 132-SM GPU (H200): the splits aim at this many, never more
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
-    item_cap: float = 0.0  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
+    item_cap: float = 1.5  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
     # at), besides the split in proportion to each block's share, which leaves a block of up to twice the nominal chunk
     # whole: a long sequence among short ones is cut (skewed steps), where the step's items then stay within one wave
-    # (target items).  0: off (untimed; bench/split_model.py models 1.5 as ~20% off skewed B=16 steps)
-    min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows);
-    # 1024 over 2048: drafts 0.3-5% faster, 5 alternating rounds on the H200 (docs/benchmarks.md, seventh round)
-    merge_tile: int = 8192  # fp32 partial elements per load of the fused merge
+    # (target items).  0: no cap
+    min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows)
+    merge_tile: int = 8192  # fp32 partial elements per load of the merge
     merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
-    merge_launch: bool = False  # True: split multi-token blocks are merged by a launch of their own (programs per
-    # block, KV head and tile of merge_rows rows) instead of by their last item; decode blocks always merge fused
-    merge_rows: int = 16  # rows (tokens x query heads) of one program of that merge launch
     plan_warps: int = 8  # most warps of the plan kernel (one program)
     plan_width: int = 1024  # most lanes of the plan kernel's vectors (its passes go this many at a time)
     plan_lanes: int = 1  # lanes per thread the plan aims at: its warps are width // (32 * plan_lanes), 1 .. plan_warps
-    # the paths (bits: 1 decode, 2 multi-token, 4 long blocks; 0: none) whose unmasked key tiles that lie in one
-    # segment are read through tensor descriptors (Hopper's TMA; made on the device, so the launch needs Triton's
-    # scratch allocator, which attend_impl sets).  Off: on the H200 (triton 3.6) it made decodes and drafts 10-30%
-    # slower (a descriptor per program) and long prefills 1-2% faster (docs/benchmarks.md, eighth round)
-    tma_paths: int = 0
 
     def __post_init__(self) -> None:
         if self.merge_group < 0 or self.merge_group == 1:
@@ -64,24 +52,18 @@ class Tuning:
         if self.long_block_m and (self.long_block_m < 16 or self.long_block_m & (self.long_block_m - 1)):
             raise ValueError(f"Tuning.long_block_m={self.long_block_m}: 0 or a power of two >= 16 is allowed")
         for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("long_block_n", 16),
-                            ("merge_rows", 2), ("plan_width", 16)):
+                            ("plan_width", 16)):
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
-        if not 0 <= self.tma_paths <= 7:
-            raise ValueError(f"Tuning.tma_paths={self.tma_paths}: a bit mask of paths (1 decode, 2 multi-token, "
-                             "4 long), 0 .. 7, is allowed")
         if self.item_cap != 0 and not 1 <= self.item_cap <= 1000:
             raise ValueError(f"Tuning.item_cap={self.item_cap}: 0 (off) or a number from 1 to 1000 is allowed")
         if self.long_min_tokens < 0:
             raise ValueError(f"Tuning.long_min_tokens={self.long_min_tokens}: a non-negative integer is allowed")
-        for name in ("dec_stages", "pre_stages", "long_stages", "dec_warps", "pre_warps", "long_warps", "target_ctas",
+        for name in ("dec_stages", "pre_stages", "long_stages", "pre_warps", "long_warps", "target_ctas",
                      "min_chunk", "min_chunk_multi", "merge_tile", "plan_warps", "plan_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
-
-
-DEFAULT = Tuning()
 
 
 def next_pow2(x: int) -> int:
@@ -114,30 +96,22 @@ class Geometry:
     dec_stages: int
     pre_stages: int
     long_stages: int
-    dec_warps: int
     pre_warps: int
     long_warps: int
-    split_launch: bool
     merge_group: int
     min_chunk: int
     min_chunk_multi: int
-    spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks
+    spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks, long blocks
     spl_pre: int
     spl_long: int
     plan_width: int  # lanes of the plan kernel's vectors (a power of two)
     plan_warps: int
-    merge_launch: bool
-    merge_rows: int  # rows of a program of the merge launch (<= block_m)
-    spl_launch: int  # partial slots merged per load by the merge launch
-    tma_paths: int  # Tuning's, bits of the paths
     target_items: int  # items the splits aim at (per KV head); also the most partial slots (plan.py, P4)
     item_cap_permille: int  # Tuning.item_cap x 1000 (0: off)
     n_tickets: int  # one merge ticket per (partial slot, KV head)
-    n_mlist: int  # entries of the plan's split list: a split block has >= 2 of the target_items partial slots
     nb_max: object  # most blocks
     w_max: object  # most items (the attention grid)
-    tickets_off: object  # offsets in the plan (plan.py: its layout)
-    mlist_off: object
+    tickets_off: object  # offsets in the plan (layout.py)
     rec_off: object
     plan_len: object
 
@@ -175,12 +149,7 @@ def _splits_per_load(rows: int, dv: int, merge_tile: int) -> int:
     return min(64, 1 << (max(1, merge_tile // (rows * dv)).bit_length() - 1))
 
 
-def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes: int,
-             tuning: Tuning | None = None) -> Geometry:
-    """``tuning`` None: ``DEFAULT``, read at the call (tests patch it for the registered ops)."""
-    from .plan import HDR, NBF
-
-    tuning = DEFAULT if tuning is None else tuning
+def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes: int, tuning: Tuning) -> Geometry:
     g = hq // hkv
     g_pad = next_pow2(g)
     shrink = max(1, max(d, dv) * elem_bytes // 256)  # tiles sized for 2-byte elements, D <= 128
@@ -194,18 +163,14 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     tokb_short, tokb = block_m // g_pad, block_m_long // g_pad
     # upper bounds from shapes only (no host sync); blocks: see the plan kernel
     nb_max = _sym_min(n_tok, n_tok // tokb + 2 * _sym_min(n_tok, columns) + 1)
-    # rounded down: the programs never pass target_ctas (at 32 KV heads, 9 items would make 288 programs, two per SM
-    # leaving 24 for a second round: 32/32 heads' B=1 L=32k decode ran at 183.6 µs where 8 x 32 programs of the
-    # same 4096 keys, 32/8 heads' B=4, ran at 131.7; docs/benchmarks.md, ninth round)
+    # rounded down: the programs never pass target_ctas (rounded up, the few programs past it would run in a
+    # second round of their own)
     target_items = max(1, tuning.target_ctas // hkv)
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
-    mlist_off = tickets_off + target_items * hkv
-    n_mlist = target_items // 2 + 1
-    rec_off = mlist_off + n_mlist
+    rec_off = tickets_off + target_items * hkv
     wide = elem_bytes > 2
     plan_width = _plan_width(n_tok, columns, target_items, tuning)
-    merge_rows = min(tuning.merge_rows, block_m)
     return Geometry(
         g=g, g_pad=g_pad, block_m=block_m, tokb_short=tokb_short, block_m_long=block_m_long, tokb=tokb,
         long_launch=long_launch, longest_first=tuning.longest_first, m_dec=max(16, g_pad),
@@ -214,17 +179,12 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
         pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages,
         long_stages=min(tuning.long_stages, 2) if wide else tuning.long_stages,
-        dec_warps=tuning.dec_warps, pre_warps=tuning.pre_warps, long_warps=tuning.long_warps,
-        split_launch=tuning.split_launch,
-        merge_group=tuning.merge_group,
+        pre_warps=tuning.pre_warps, long_warps=tuning.long_warps, merge_group=tuning.merge_group,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
         spl_long=_splits_per_load(block_m_long, dv, tuning.merge_tile),
         plan_width=plan_width, plan_warps=max(1, min(tuning.plan_warps, plan_width // (32 * tuning.plan_lanes))),
-        merge_launch=tuning.merge_launch, merge_rows=merge_rows,
-        spl_launch=_splits_per_load(merge_rows, dv, tuning.merge_tile),
-        tma_paths=tuning.tma_paths,
         target_items=target_items, item_cap_permille=round(tuning.item_cap * 1000),
-        n_tickets=target_items * hkv, n_mlist=n_mlist, nb_max=nb_max, w_max=w_max,
-        tickets_off=tickets_off, mlist_off=mlist_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
+        n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
+        tickets_off=tickets_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
