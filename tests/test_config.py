@@ -128,7 +128,7 @@ def test_refused_before_heavy_imports():
             "resolve(compose_config('kv=cell', 'kv.max_seqs=8')); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'executorch'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parent).stdout
+                         cwd=Path(__file__).parents[1]).stdout
     assert out.strip() == "[]"
 
 

@@ -340,9 +340,6 @@ class Vision(Role):
     name, section, stage = VISION, "vision", "export_vision"
     processor_dir = "image_processor"
 
-    def preset(self, cfg):
-        return cfg.vision.name
-
     def args(self, cfg, parts):
         from pipeline.build.feasibility import check_vision
 

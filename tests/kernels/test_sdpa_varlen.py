@@ -14,10 +14,9 @@ if not NATIVE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import dataclasses
+import functools
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ try:
 except Exception as exc:  # pragma: no cover - triton is a pinned dependency
     pytest.skip(f"triton cannot be imported: {exc}", allow_module_level=True)
 
+from conftest import run_in_fresh_process  # noqa: E402
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.reference import sdpa_varlen_reference  # noqa: E402
 
@@ -46,35 +46,10 @@ if NATIVE and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("SDPA_VARLEN_NATIVE=1 needs a CUDA device", allow_module_level=True)
 
 
-def _run_in_fresh_process() -> dict[str, tuple[str, str]]:
-    """This module's kernel tests in a fresh interpreter process: {test name: (outcome, message)}
-    from its JUnit report."""
-    import tempfile
-    import xml.etree.ElementTree as ET
-
-    env = dict(os.environ, TRITON_INTERPRET="1", SDPA_VARLEN_FRESH_PROCESS="1")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.xml")
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                              __file__], env=env, capture_output=True, text=True)
-        if not os.path.exists(report):
-            raise RuntimeError(f"the fresh process wrote no report: {res.stdout[-2000:]}{res.stderr[-2000:]}")
-        results = {}
-        for case in ET.parse(report).getroot().iter("testcase"):
-            bad = next((c for c in case if c.tag in ("failure", "error")), None)
-            skipped = case.find("skipped")
-            if bad is not None:
-                results[case.get("name")] = ("failed", (bad.get("message") or "") + "\n" + (bad.text or "")[-3000:])
-            elif skipped is not None:
-                results[case.get("name")] = ("skipped", skipped.get("message") or "")
-            else:
-                results[case.get("name")] = ("passed", "")
-    return results
-
-
 # In the parent the kernel tests report the fresh process's outcome for each of them
 # (conftest.pytest_pyfunc_call); in the fresh process they run.
-needs_kernels = pytest.mark.in_child_process(run=_run_in_fresh_process) if _RERUN else pytest.mark.kernels
+needs_kernels = (pytest.mark.in_child_process(run=functools.partial(run_in_fresh_process, __file__)) if _RERUN
+                 else pytest.mark.kernels)
 
 
 @pytest.fixture(autouse=True)
@@ -581,130 +556,3 @@ def test_cuda_lowering_runs_an_episode(tmp_path):
     stats = validate.run_episode(session, model, scripts, causal=True)
     assert stats["decode_steps"] > 0 and stats["mixed_steps"] > 0
     assert max(max(s.errors) for s in scripts) < 1e-4
-
-
-# ------------------------------------------------------------------ the GPU benchmark's own calls
-def _bench_modules(monkeypatch):
-    """bench/sdpa's workloads and calls, their tensors made on this test's device."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    monkeypatch.syspath_prepend(root)
-    from bench.sdpa import ours, versions, workloads
-
-    monkeypatch.setattr(workloads, "DEV", DEVICE)
-    return ours, versions, workloads
-
-
-@needs_kernels
-@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py makes these calls itself; the suite is bound by compiles")
-def test_bench_workloads_and_calls(monkeypatch):
-    """What bench/sdpa_varlen.py times, on small cases of each of its kinds (uniform, skewed and
-    wrapped decodes, a non-causal draft block, a prefill chunk over history, a mixed step): its
-    inputs (``Work.ours_inputs``) describe the step it names, its pair and byte counts (the table's
-    TFLOP/s and TB/s) are those of that step, and its calls (``ours_calls``, split plans) and an
-    earlier version loaded as ``--compare`` loads one (here this package's own directory) give
-    attention within bf16 tolerance of the float64 reference."""
-    ours, versions, workloads = _bench_modules(monkeypatch)
-    Work = workloads.Work
-    lens = workloads.lognormal_lengths(5, 24, 96)
-    assert len(set(lens)) > 1  # skewed
-    cases = [Work("uniform", 4, 2, 16, [(37, 1, 0)] * 3, True),
-             Work("skewed", 4, 2, 16, [(n, 1, 0) for n in lens], True, rows=max(lens)),
-             Work("wrapped", 4, 2, 16, [(40, 1, s) for s in (13, 1, 39)], True),
-             Work("draft", 8, 2, 16, [(45, 5, 0)] * 2, False),
-             Work("prefill", 4, 1, 16, [(70, 30, 0)], True),
-             Work("mixed", 4, 2, 16, [(40, 1, 0)] * 3 + [(40, 20, 0)], True)]
-    prev = versions.load_module(os.path.dirname(K.__file__))
-    for w in cases:
-        inputs = w.ours_inputs(2)
-        q, kvs, q_pos, q_cols, seq_info, cols = inputs
-        assert cols == w.B and q.shape == (w.T, w.hq, w.d)
-        # the step it names: each sequence's keys at positions 0..n-1 from its start row on, wrapping
-        pairs = 0
-        for c, (n, nq, r0) in enumerate(w.seqs):
-            segs = [s for s in seq_info.tolist() if s[0] == c and s[2] > 0]
-            rows_pos = sorted((p0 + i, (r + i)) for _, r, cnt, p0 in segs for i in range(cnt))
-            assert rows_pos == [(p, (r0 + p) % w.rows) for p in range(n)], w.name
-            qp = q_pos[q_cols == c].tolist()
-            assert qp == list(range(n - nq, n))
-            pairs += sum(p + 1 if w.causal else n for p in qp)
-        assert pairs == w.pairs and w.kv_read == sum(n for n, _, _ in w.seqs) * w.hkv * w.d * 4
-        fns, _, plan = ours.ours_calls(w, tuning=SMALL["tuning"], inputs=inputs)
-        assert int(plan[int(K.H_SPLIT_BLOCKS)]) > 0, f"{w.name}: no split block"  # the split path is timed
-        prev_fns = ours.ours_calls(w, prev, inputs=inputs)[0]
-        for (k, v), fn, prev_fn in zip(kvs, fns, prev_fns, strict=True):
-            r64 = ref64(q, k, v, q_pos, q_cols, seq_info, cols, 1 / math.sqrt(w.d), w.causal, w.window)
-            for got in (fn(), prev_fn()):
-                err = (got.double().cpu() - r64).abs().max().item()
-                assert err <= TOL[torch.bfloat16], f"{w.name}: max err vs float64 {err}"
-
-
-@needs_kernels
-@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py makes these calls itself; the suite is bound by compiles")
-def test_bench_numerics_and_goals(monkeypatch):
-    """The benchmark report's numerics rows (``numerics``: ours and PyTorch's bf16 SDPA against
-    fp32 math SDPA on the bench's own inputs, here small) and its goals marked met or not."""
-    _bench_modules(monkeypatch)
-    from bench import sdpa_varlen as bench
-    from bench.sdpa import report
-
-    monkeypatch.setattr(bench, "DEV", DEVICE)
-    for hq, hkv, n, nq, b in [(4, 2, 40, 1, 3), (4, 2, 40, 9, 1), (8, 2, 33, 4, 2)]:
-        ours_err, torch_err = bench.numerics(hq, hkv, 16, n, nq, b)
-        assert ours_err <= TOL[torch.bfloat16] and 0 < torch_err <= TOL[torch.bfloat16], (hq, nq, ours_err, torch_err)
-    # the eighth round's B=1 row (45.4 µs, 2.96 TB/s, SDPA 39.6 µs): not met; at 3.5 TB/s and 0.96x, met
-    row = dict(name=report.GOALS[0][0], ours=45.4, tbs=2.96, plan=9.0, peers={"sdpa": (39.6, "")})
-    assert report.goals([row])[2].endswith("| no |")
-    assert report.goals([dict(row, tbs=3.5, ours=41.2)])[2].endswith("| yes |")
-    assert "not measured" in report.goals([])[2]
-
-
-@needs_kernels
-@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py --sweep loads and runs the variant itself")
-def test_bench_variant_paths(monkeypatch):
-    """The kernel package the sweep loads for the paths removed from ours
-    (``bench/sdpa/variants/e06a1ce``), loaded as the sweep loads it, with each of those paths on:
-    two launches (exactly what one launch computes), the merge launch, and descriptor loads on every
-    path with long blocks (the mixed step's wrapped rings give unmasked tiles inside segment 0 and
-    across the two; the second step's, wrapped a few rows from their end, tiles inside segment 1).
-    Split blocks in each; within tolerance of the float64 reference."""
-    _, versions, _ = _bench_modules(monkeypatch)
-    from bench.sdpa import experiments
-
-    variant = versions.load_module(experiments.REMOVED_PATHS, "sdpa_varlen_variant")
-    small = experiments._variant_tuning(variant, SMALL["tuning"], {})
-    paths = {"one launch": {}, "two launches": dict(split_launch=True), "merge launch": dict(merge_launch=True, merge_rows=4),
-             "descriptor loads": dict(pre_block_m=16, long_block_m=32, long_min_tokens=0, tma_paths=7)}
-    wrapped = [dict(col=0, n_keys=62, start_row=60, first_pos=0, n_q=1),
-               dict(col=1, n_keys=62, start_row=61, first_pos=3, n_q=5),
-               dict(col=2, n_keys=63, start_row=59, first_pos=9, n_q=12)]
-    for seqs, columns, rows, seed in ((MIXED, 5, 48, 13), (wrapped, 3, 64, 14)):
-        args = make_step(seqs, columns=columns, rows=rows, hq=4, hkv=2, d=16, seed=seed)
-        q, k, v, q_pos, q_cols, seq_info = args
-        r64 = ref64(*args, columns, 0.25, True, 0)
-        outs = {}
-        for name, changes in paths.items():
-            geo = variant._geometry_of(q, k, v, columns, dataclasses.replace(small, **changes))
-            plan = variant.plan_impl(q_pos, q_cols, seq_info, columns, True, 0, geo)
-            assert int(plan[int(K.H_SPLIT_BLOCKS)]) > 0, f"{name}: no split block"  # the same header word there
-            outs[name] = variant.attend_impl(q, k, v, plan, columns, 0.25, True, 0, geo)
-            err = (outs[name].double().cpu() - r64).abs().max().item()
-            assert err <= TOL[torch.float32], f"{name}: max err vs float64 {err}"
-        assert torch.equal(outs["one launch"], outs["two launches"])
-
-
-@pytest.mark.skipif(NATIVE, reason="no kernel runs: once, in the interpreter's suite")
-def test_bench_sweep_groups_name_fields(monkeypatch):
-    """Every variant of ``bench/sdpa_varlen.py --sweep`` makes a valid ``Tuning`` of the package its
-    group times (ours, or the variant package, from the running choice's fields): a group naming a
-    field the package lacks would fail only on the GPU, variant by variant."""
-    _bench_modules(monkeypatch)
-    from bench.sdpa import experiments
-
-    chosen = K.Tuning()
-    for group, _, variants, package in experiments.SWEEP:
-        mod = experiments.load_module(package, "sdpa_varlen_variant") if package else None
-        for var in variants:
-            tuning = experiments._variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
-            assert all(getattr(tuning, k) == v for k, v in var.items()), (group, var)
-            if mod:  # the running choice's fields carried into the variant's Tuning
-                assert tuning.item_cap == chosen.item_cap and tuning.min_chunk == chosen.min_chunk, (group, var)

@@ -1,4 +1,5 @@
-"""Fixtures compose the real config tree (conf/) and build real artifacts once per session."""
+"""Fixtures compose the real config tree (conf/) and build real artifacts once per session; the tests
+(tests/, mirroring pipeline/) and the benchmarks' own checks (bench/test_*.py) share them."""
 
 import os
 import warnings
@@ -9,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from pipeline.config import register
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+CONF = str(Path(__file__).resolve().parent / "conf")
 register()
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -54,6 +55,35 @@ def pytest_collection_modifyitems(config, items):
 
 
 _CHILD_RESULTS: dict[str, dict] = {}
+
+
+def run_in_fresh_process(test_file: str, env: dict | None = None) -> dict[str, tuple[str, str]]:
+    """A test module's tests in a fresh interpreter process (Triton's interpreter: other modules' use of
+    Inductor in the same process breaks its patching of triton.language): {test name: (outcome,
+    message)} from its JUnit report. The child sees ``SDPA_VARLEN_FRESH_PROCESS=1`` and runs them."""
+    import subprocess
+    import sys
+    import tempfile
+    import xml.etree.ElementTree as ET
+
+    env = dict(os.environ, TRITON_INTERPRET="1", SDPA_VARLEN_FRESH_PROCESS="1", **(env or {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.xml")
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                              test_file], env=env, capture_output=True, text=True)
+        if not os.path.exists(report):
+            raise RuntimeError(f"the fresh process wrote no report: {res.stdout[-2000:]}{res.stderr[-2000:]}")
+        results = {}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            bad = next((c for c in case if c.tag in ("failure", "error")), None)
+            skipped = case.find("skipped")
+            if bad is not None:
+                results[case.get("name")] = ("failed", (bad.get("message") or "") + "\n" + (bad.text or "")[-3000:])
+            elif skipped is not None:
+                results[case.get("name")] = ("skipped", skipped.get("message") or "")
+            else:
+                results[case.get("name")] = ("passed", "")
+    return results
 
 
 def pytest_pyfunc_call(pyfuncitem):

@@ -49,10 +49,12 @@ def test_executorch_op_suite_passes_next_to_the_pipeline(first):
         imports.reverse()
     code = "; ".join([*imports, "import sys, unittest",
                       f"r = unittest.main(module='{ET_TESTS}', exit=False, argv=['x']).result",
-                      "import test_neutral_op; test_neutral_op.pipeline_works()",
+                      "import test_op; test_op.pipeline_works()",
                       "sys.exit(0 if r.wasSuccessful() and r.testsRun >= 38 else 1)"])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parent, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          cwd=Path(__file__).parent, env={**os.environ, "PYTHONWARNINGS": "ignore",
+                                                          "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                                                         os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Ran 38 tests" in proc.stderr and "\nOK" in proc.stderr
 
@@ -60,7 +62,7 @@ def test_executorch_op_suite_passes_next_to_the_pipeline(first):
 def test_the_op_is_executorchs():
     schema = NEUTRAL_OP._schema
     assert [a.name for a in schema.arguments] == ["q", "k", "v", "position", "layer_id", "scale", "out_dtype"]
-    sources = Path(__file__).resolve().parent.parent / "pipeline"
+    sources = Path(__file__).resolve().parents[2] / "pipeline"
     registering = [p for p in sources.rglob("*.py") if '"kvcache::update_and_attend"' in p.read_text()]
     assert registering == [], "the pipeline must not register an op of its own under ExecuTorch's name"
 

@@ -17,7 +17,7 @@ from pipeline.build.versions import sha256_file
 from pipeline.cache import Cache
 from pipeline.cache.gc import gc
 
-ROOT = str(Path(__file__).resolve().parent.parent)
+ROOT = str(Path(__file__).resolve().parents[2])
 BASE = ("model=tiny_flat", "backend=portable", "stages=[export,lower_kv,compile,validate]", "validate.decode_steps=8")
 OWN = re.compile(r"^(\[\d+/\d+\] \w+: (cached|building)|  |built |up to date: |removed )")
 STATUS = re.compile(r"^\[\d+/\d+\] (\w+): (cached|building)(?: \((.*)\))?$", re.M)

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-from test_dflash import reference_and_ours
 
 from conftest import compose_config
 from pipeline.build.plan import resolve_model
@@ -15,6 +14,7 @@ from pipeline.models.families import family
 from pipeline.models.loaders import load_into
 from pipeline.models.transformer import build_model
 from pipeline.runtime.speculative import greedy_generate, speculative_generate
+from test_dflash import reference_and_ours
 
 dflash = pytest.importorskip("dflash.model")
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_checkpoints import write_llama_gguf
 
 from conftest import compose_config
 from pipeline.build.plan import resolve_model
@@ -18,6 +17,7 @@ from pipeline.models.args import model_args
 from pipeline.models.methods import build_target
 from pipeline.models.transformer import build_model
 from pipeline.quant import dequantized, quantize
+from test_loaders import write_llama_gguf
 
 # tiny_flat with a feed-forward width that is a multiple of 32 (XNNPACK's 4-bit groups)
 QUANT_MODEL = ("model=tiny_flat", "model.hidden_dim=192")

@@ -176,7 +176,7 @@ def test_gguf_reader_opened_once_while_the_file_is_unchanged(tmp_path):
 def _pipeline(tmp_path, *args):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "pipeline", f"output_root={tmp_path / 'out'}", *args],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parent.parent)
+                          capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
 
 
 def test_bad_checkpoints_refused_in_one_line(tmp_path):
