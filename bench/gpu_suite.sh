@@ -14,7 +14,7 @@ SHARDS=${SHARDS:-8}; LIMIT=${LIMIT:-540}
 export SDPA_VARLEN_NATIVE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-TESTS=tests/test_sdpa_varlen_triton.py
+TESTS=tests/kernels/test_sdpa_varlen.py
 python3 -m pytest "$TESTS" --co -q -o addopts="" -p no:cacheprovider "$@" 2>/dev/null | grep '::' > "$OUT/ids.txt"
 n=$(wc -l < "$OUT/ids.txt")
 [ "$n" -gt 0 ] || { echo "no tests collected (is CUDA visible?)"; exit 1; }
