@@ -4,7 +4,7 @@
   too; a package's ``__init__`` is a module like any other, reached only when named);
 - stages never import other stages, backends never import stages;
 - role names (``target``, ``draft``, ``vision``) appear as strings only where roles are defined
-  (``build/roles.py``) and where the manifest is read and written (``build/manifest.py``);
+  (``build/roles/``) and where the manifest is read and written (``build/manifest.py``);
 - no presence test of a model against its group's ``none`` option (``cfg.draft.name != "none"``):
   a model is present by being in the plan's table (``Role.present`` is the one place);
 - KV layouts are built from the config at one call site (``build_layout`` in ``build/plan.py``).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLE_NAMES = ("target", "draft", "vision")
-ROLE_MODULES = ("pipeline.build.roles", "pipeline.build.manifest")
+ROLE_MODULES = ("pipeline.build.roles", "pipeline.build.manifest")  # the roles package (each role's module) and the manifest
 LAYOUT_BUILDER = ("build_layout", "pipeline.build.plan")
 
 
@@ -123,7 +123,7 @@ def layering(graph: dict[str, set[str]], package: str) -> list[str]:
 def role_literals(known: dict[str, Path]) -> list[str]:
     found = []
     for module, path in known.items():
-        if module in ROLE_MODULES:
+        if module in ROLE_MODULES or module.startswith(ROLE_MODULES[0] + "."):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and node.value in ROLE_NAMES:
@@ -136,7 +136,7 @@ def none_tests(known: dict[str, Path]) -> list[str]:
     """``<x>.name == / != "none"``: a model's presence decided from its config group's option."""
     found = []
     for module, path in known.items():
-        if module == ROLE_MODULES[0]:
+        if module == ROLE_MODULES[0] or module.startswith(ROLE_MODULES[0] + "."):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name"

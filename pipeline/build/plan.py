@@ -3,7 +3,7 @@ reads (the stages, the cache keys' stage list, the dry run, build.json, the mani
 
 ``resolve(cfg)`` makes every check that can be made from the config alone, each in one place and in
 this order: unknown settings, the stage order, the closed sets (family, backend), the memory budget's
-value, each role's settings (``roles.py``: the target's shapes, the quantization, the draft against
+value, each role's settings (``roles/``: the target's shapes, the quantization, the draft against
 the target, the vision encoder's), each attending role's KV layout (built here and only here), the
 checks that need the layouts (an image against a sequence's context, the validation episode, the
 build's memory) and the GPU a CUDA build needs. Torch is not imported (but for backend=cuda's GPU check).

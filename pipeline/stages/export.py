@@ -10,7 +10,7 @@ With ``quant`` (``pipeline/quant``), the target's weights are quantized before i
 methods carry torchao's quantized linears (dequantize + dynamic activation quantization, which
 XNNPACK's quantized kernels take) and ExecuTorch's quantized embedding op.
 
-Methods (Muse Glimmer's names, ``build/roles.py``): ``embed_text``; ``target_forward_from_embeddings``,
+Methods (Muse Glimmer's names, ``build/roles/``): ``embed_text``; ``target_forward_from_embeddings``,
 one step of any width (prefill chunks, decodes, verification of draft blocks; with a draft it also
 returns the tapped features); with a draft, ``draft_forward`` (context rows and blocks of every
 sequence in one step). A separate prefill method (Muse Glimmer's ``target_prefill_from_embeddings``)

@@ -1,4 +1,4 @@
-"""The role table (``pipeline/build/roles.py``): a model is present by being a row of it. A new role
+"""The role table (``pipeline/build/roles/``): a model is present by being a row of it. A new role
 added through the table alone (here a dummy encoder: a linear map of a fixed-size input to the
 target's width) is built, exported, lowered, compiled into the program, listed in the manifest with its
 constant methods, and run by ExecuTorch's runtime as its eager module runs; no stage module knows of it."""
