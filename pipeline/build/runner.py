@@ -1,9 +1,10 @@
-"""The runner: checks the config, runs each stage or takes it from the stage cache, and records the build.
+"""The runner: resolves the config into its plan, runs each stage or takes it from the stage cache, and
+records the build.
 
 Each stage's result is looked up in the stage cache (``pipeline/cache/``) under a key of what
 decides it; a stage whose key is there is not run, and the run says per stage ``cached`` or
 ``building`` and why (what changed since the experiment's last version). The version directory
-(``pipeline/versions.py``) gets the entries' files, linked, and ``build.json``; a version built from
+(``pipeline/build/versions.py``) gets the entries' files, linked, and ``build.json``; a version built from
 the same entries is reused whole.
 """
 
@@ -25,7 +26,7 @@ from pipeline.cache import Cache, LazyArtifacts, changes, stage_keys, tool_versi
 from pipeline.cache.store import files_under
 from pipeline.errors import ConfigError
 
-SRC = Path(__file__).resolve().parent
+SRC = Path(__file__).resolve().parents[1]  # the pipeline package (build.json's git revision: dirty when it is)
 
 
 def _tool_versions() -> dict:
