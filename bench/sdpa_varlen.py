@@ -13,8 +13,8 @@ Imports neither executorch's exporter nor hydra.  ``--compare`` times another ve
 the kernel (a single-file module, e.g. ``git show 04d2c43:pipeline/kernels/sdpa_varlen.py >
 old.py``, or a package directory: ``bench/sdpa/versions.py``) on the same inputs in the same run, a column beside ours.  ``--sweep`` times
 variants of ``Tuning`` first (reported; the table uses the defaults); its groups for the paths removed
-from ours (two launches, the merge launch, descriptor loads) time the package in
-``bench/sdpa/variants/`` that still has them.  ``--plan-compare`` times the plan alone (16
+from ours (two launches, the merge launch, descriptor loads) time the package that still has them
+(``bench/sdpa/removed.py``: e06a1ce's, from git history).  ``--plan-compare`` times the plan alone (16
 launches per graph and 1), beside an earlier version's (what ``--compare`` takes) if given.
 
 Parts: ``bench/sdpa/timing.py`` (graph timing), ``workloads.py`` (cases), ``ours.py`` (our

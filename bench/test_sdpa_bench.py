@@ -108,7 +108,7 @@ def test_bench_numerics_and_goals(monkeypatch):
 @pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py --sweep loads and runs the variant itself")
 def test_bench_variant_paths(monkeypatch):
     """The kernel package the sweep loads for the paths removed from ours
-    (``bench/sdpa/variants/e06a1ce``), loaded as the sweep loads it, with each of those paths on:
+    (``bench/sdpa/removed.py``: e06a1ce's, from git history), loaded as the sweep loads it, with each of those paths on:
     two launches (exactly what one launch computes), the merge launch, and descriptor loads on every
     path with long blocks (the mixed step's wrapped rings give unmasked tiles inside segment 0 and
     across the two; the second step's, wrapped a few rows from their end, tiles inside segment 1).
@@ -116,7 +116,7 @@ def test_bench_variant_paths(monkeypatch):
     _, versions, _ = _bench_modules(monkeypatch)
     from bench.sdpa import experiments
 
-    variant = versions.load_module(experiments.REMOVED_PATHS, "sdpa_varlen_variant")
+    variant = experiments.load_variant(experiments.REMOVED_PATHS)
     small = experiments._variant_tuning(variant, SMALL["tuning"], {})
     paths = {"one launch": {}, "two launches": dict(split_launch=True), "merge launch": dict(merge_launch=True, merge_rows=4),
              "descriptor loads": dict(pre_block_m=16, long_block_m=32, long_min_tokens=0, tma_paths=7)}
@@ -148,7 +148,7 @@ def test_bench_sweep_groups_name_fields(monkeypatch):
 
     chosen = K.Tuning()
     for group, _, variants, package in experiments.SWEEP:
-        mod = experiments.load_module(package, "sdpa_varlen_variant") if package else None
+        mod = experiments.load_variant(package)
         for var in variants:
             tuning = experiments._variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
             assert all(getattr(tuning, k) == v for k, v in var.items()), (group, var)

@@ -1,2 +1,2 @@
 """Parts of bench/sdpa_varlen.py: timing, workloads, ours, peers, versions, experiments, report;
-variants/ holds kernel packages the sweep loads beside ours."""
+removed (the kernel package with the paths removed from ours, from git history, for the sweep)."""

@@ -2,20 +2,20 @@
 (``--plan-compare``) and per-launch GPU times (``--profile``)."""
 
 import dataclasses
-import os
 
 import torch
 
 from bench.sdpa.ours import PLAN_REPS, ours_calls, plan_only, plan_times, run_ours
+from bench.sdpa.removed import REMOVED_AT, removed_paths_package
 from bench.sdpa.timing import log, time_fn
 from bench.sdpa.versions import load_module
 from bench.sdpa.workloads import small_cases, sweep_cases
 from pipeline.kernels import sdpa_varlen as K
 from pipeline.kernels.sdpa_varlen import attention as K_attention
 
-# The kernel package of e06a1ce, the last with the paths since removed from ours because they were off by
-# default and measured no win (two launches, the merge launch, descriptor loads): bench/sdpa/variants/README.md.
-REMOVED_PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "variants", "e06a1ce")
+# A group that times the paths since removed from ours (off by default, no win measured: two launches,
+# the merge launch, descriptor loads) loads the kernel package of bench/sdpa/removed.py's commit.
+REMOVED_PATHS = "removed paths"
 
 # the sweep: groups of variants of Tuning, each group on top of the winners of the groups before (each
 # group's first variant is the running choice, the reference of its ratios).  A group with a package times
@@ -44,6 +44,11 @@ SWEEP = [
 ]
 
 
+def load_variant(package):
+    """The package a sweep group times: None (ours) or the kernel package with the removed paths."""
+    return load_module(removed_paths_package(), "sdpa_varlen_variant") if package == REMOVED_PATHS else None
+
+
 def _variant_tuning(mod, chosen, var):
     """The package's own Tuning: the running choice's fields it has, then the variant's."""
     fields = {f.name for f in dataclasses.fields(mod.Tuning)}
@@ -62,7 +67,7 @@ def sweep(groups=None):
             continue
         cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "plan": dec_cases + pre_cases,
                  "small": small_cases()}[which]
-        mod = load_module(package, "sdpa_varlen_variant") if package else None
+        mod = load_variant(package)
         best, best_t, ref = None, float("inf"), {}
         for var in variants:
             tuning = _variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
@@ -79,7 +84,7 @@ def sweep(groups=None):
                     tot = float("inf")
                     line.append(f"{w.name}: err {type(e).__name__} {str(e)[:120]}")
                 torch.cuda.empty_cache()
-            where = f" ({os.path.relpath(package)})" if package else ""
+            where = f" ({package} of {REMOVED_AT})" if package else ""
             log(f"sweep {group}{where} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
             lines.append(f"| {group}{where} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
             if tot < best_t:

@@ -1,5 +1,5 @@
 """Other versions of the kernel, loaded beside ours: earlier ones for ``--compare`` and
-``--plan-compare``, and the variants of ``bench/sdpa/variants/`` that the sweep's groups load."""
+``--plan-compare``, and the package with the removed paths that the sweep's groups load (``removed.py``)."""
 
 import importlib
 import os
