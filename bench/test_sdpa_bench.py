@@ -104,6 +104,15 @@ def test_bench_numerics_and_goals(monkeypatch):
     assert "not measured" in report.goals([])[2]
 
 
+def _variant_or_skip(experiments):
+    """The package with the removed paths; a checkout without e06a1ce in its history (a shallow clone)
+    cannot make it, and says so."""
+    try:
+        return experiments.load_variant(experiments.REMOVED_PATHS)
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
 @needs_kernels
 @pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa_varlen.py --sweep loads and runs the variant itself")
 def test_bench_variant_paths(monkeypatch):
@@ -116,7 +125,7 @@ def test_bench_variant_paths(monkeypatch):
     _, versions, _ = _bench_modules(monkeypatch)
     from bench.sdpa import experiments
 
-    variant = experiments.load_variant(experiments.REMOVED_PATHS)
+    variant = _variant_or_skip(experiments)
     small = experiments._variant_tuning(variant, SMALL["tuning"], {})
     paths = {"one launch": {}, "two launches": dict(split_launch=True), "merge launch": dict(merge_launch=True, merge_rows=4),
              "descriptor loads": dict(pre_block_m=16, long_block_m=32, long_min_tokens=0, tma_paths=7)}
@@ -148,7 +157,7 @@ def test_bench_sweep_groups_name_fields(monkeypatch):
 
     chosen = K.Tuning()
     for group, _, variants, package in experiments.SWEEP:
-        mod = experiments.load_variant(package)
+        mod = _variant_or_skip(experiments) if package else None
         for var in variants:
             tuning = experiments._variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
             assert all(getattr(tuning, k) == v for k, v in var.items()), (group, var)
