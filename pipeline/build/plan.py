@@ -13,12 +13,13 @@ is present by being in it.
 """
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
 from pipeline.backends import Backend, backend, quantizing
-from pipeline.build.roles import DRAFT, ROLES, TARGET, MethodSpec, Role
+from pipeline.build.roles import DRAFT, EXPORT_WIDTH, ROLES, TARGET, MethodSpec, Role
 from pipeline.errors import ConfigError
 from pipeline.kv.layouts import KVLayout, build_layout
 from pipeline.quant import Scheme, scheme
@@ -73,8 +74,6 @@ class BuildPlan:
     def export_methods(self, part: ModelPart) -> list[MethodSpec]:
         """``part``'s methods as the export traces them: every token axis bounded by ``EXPORT_WIDTH``
         (no layout: lower_kv exports each method again with its layout's bounds, ``part.methods``)."""
-        from pipeline.build.roles import EXPORT_WIDTH
-
         width = {name: EXPORT_WIDTH for name in self.parts}
         return part.role.methods(self.config, part, self.parts, width, EXPORT_WIDTH)
 
@@ -114,11 +113,11 @@ def resolve(cfg: DictConfig) -> BuildPlan:
         rule = part.role.kv_rule(cfg, part, parts)
         if rule is not None:
             layout = build_layout(cfg.kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
-            parts[name] = ModelPart(part.role, part.args, layout)
+            parts[name] = dataclasses.replace(part, layout=layout)
     width = {name: p.layout.step_width for name, p in parts.items() if p.layout is not None}
     for name, part in parts.items():
         methods = tuple(part.role.methods(cfg, part, parts, width, cfg.kv.max_seqs))
-        parts[name] = ModelPart(part.role, part.args, part.layout, methods)
+        parts[name] = dataclasses.replace(part, methods=methods)
     for part in parts.values():
         part.role.check_with_layouts(cfg, part, parts, names)
 

@@ -14,7 +14,7 @@ each keep only what they commit: rows written past a sequence's kept length are 
 """
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,37 +22,11 @@ import torch
 from pipeline.build.manifest import constant_methods, read, sections
 from pipeline.build.roles import DRAFT, EMBED, TARGET, TARGET_STEP, VISION, VISION_ENCODER
 from pipeline.errors import SessionError
-from pipeline.kv.layouts import KVLayout, Pool, SeqState, layout_from_manifest
+from pipeline.kv.layouts import SeqState
+from pipeline.runtime.model_state import ModelState
 from pipeline.runtime.speculation import Round, Speculation
 
 __all__ = ["ModelState", "Round", "Session", "SessionError"]
-
-
-@dataclass
-class ModelState:
-    """One model of the artifact that keeps KV (the target, a draft), as its manifest section says: the
-    layout's index math, its per-session state (the cell pool) and its live sequences."""
-
-    section: dict
-    layout: KVLayout
-    pool: Pool
-    seqs: dict = field(default_factory=dict)  # sequence id -> SeqState
-
-    @classmethod
-    def of(cls, section: dict) -> "ModelState":
-        layout = layout_from_manifest(section)
-        return cls(section, layout, layout.pool())
-
-    def step_buffers(self, order: list[tuple[SeqState, int]], cells: list[int]) -> list[torch.Tensor]:
-        """The step buffers for the step about to run, computed from the state it will leave."""
-        values = self.layout.step_buffer_values(order, cells, self.pool)
-        return [values[b["name"]] for b in self.section["step_buffers"]]
-
-    def commit(self, order: list[tuple[SeqState, int]], cells: list[int]) -> None:
-        """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
-        self.pool.commit(order, cells)
-        for seq, n in order:
-            seq.length += n
 
 
 class Session:
