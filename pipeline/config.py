@@ -54,6 +54,9 @@ class ModelConfig(ModelArgs):
     # a Hugging Face directory or a .gguf file; null: random weights from `seed`. The settings it
     # implies (widths, heads, layers, ...) replace the preset's; a contradicting override is an error
     checkpoint: str | None = None
+    # a Hugging Face directory or a .gguf file whose tokenizer (and chat template) the artifact carries, and
+    # whose vocabulary size it implies; null: the checkpoint's own tokenizer, if it has one
+    tokenizer: str | None = None
     seed: int = 0  # weights are random-initialised from this seed: no downloads
     dtype: DType = DType.float32  # compute dtype of the exported program: float32 | bfloat16 | float16
     causal: bool = True  # the target's attention rule (a draft is non-causal whatever this says)
@@ -108,7 +111,8 @@ class KVConfig:
 
 @dataclass
 class QuantConfig:
-    """Weight quantization of the target at build time (``pipeline/quant``); ``scheme: none``: none."""
+    """Weight quantization of the target (and of a draft's linears: ``draft``) at build time (``pipeline/quant``);
+    ``scheme: none``: none."""
 
     scheme: QuantScheme = QuantScheme.none
     # int4: input columns per weight scale, a multiple of 32 (XNNPACK's 4-bit groups) dividing every
@@ -116,6 +120,9 @@ class QuantConfig:
     # 8-bit groups), so 0 there
     group_size: int = 32
     embedding: bool = True  # the token embedding too (ExecuTorch's quantized embedding kernels)
+    # with a draft (draft=dflash...): its own linears too, in the same scheme (int8 / int4). false: they stay in
+    # float; the draft's embedding and head are the target's, quantized with it either way
+    draft: bool = False
 
 
 @dataclass

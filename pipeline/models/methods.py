@@ -8,7 +8,7 @@ import torch
 
 def build_target(model_cfg, workdir: Path | None) -> tuple:
     """The target in float32, random from its seed or loaded from its checkpoint, and the checkpoint's
-    tokenizer (saved into ``workdir``; None without a checkpoint or a workdir)."""
+    tokenizer, or ``model.tokenizer``'s (saved into ``workdir``; None without either or without a workdir)."""
     from pipeline.models.args import model_args
     from pipeline.models.families import family
     from pipeline.models.loaders import load_into
@@ -20,8 +20,9 @@ def build_target(model_cfg, workdir: Path | None) -> tuple:
     if model_cfg.checkpoint:
         print(f"  load {model_cfg.checkpoint}", flush=True)
         load_into(model, model_cfg.checkpoint, family(model_cfg.family))
-        if workdir is not None:
-            tokenizer = save_tokenizer(model_cfg.checkpoint, Path(workdir))
+    source = model_cfg.tokenizer or model_cfg.checkpoint
+    if source and workdir is not None:
+        tokenizer = save_tokenizer(source, Path(workdir))
     return model, tokenizer
 
 
@@ -49,11 +50,13 @@ def build_vision_model(vision_cfg, model_cfg):
 
 def build_models(plan, stage: str, workdir: Path | None) -> tuple[dict, dict]:
     """The eager modules of the parts ``stage`` builds, in the role table's order, and what their
-    roles give beside them (the tokenizer, the quantization report)."""
+    roles give beside them (the tokenizer, the quantization report: a later role's entries of a report
+    are added to an earlier role's, as a quantized draft's to the target's)."""
     built, extras = {}, {}
     for part in plan.built_by(stage):
         built[part.name], given = part.role.build(plan.config, part, built, workdir)
-        extras |= given
+        for key, value in given.items():
+            extras[key] = extras[key] | value if isinstance(value, dict) and isinstance(extras.get(key), dict) else value
     return built, extras
 
 

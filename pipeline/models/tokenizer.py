@@ -24,9 +24,27 @@ def _has_tokenizer(path: Path) -> bool:
     return "tokenizer.ggml.model" in gguf.GGUFReader(str(path)).fields
 
 
+def vocabulary_size(path: str) -> int:
+    """How many tokens the tokenizer of ``path`` (a Hugging Face directory or a GGUF file) has: what a
+    model that uses it must output. A GGUF's is read from its metadata (no transformers import)."""
+    from pipeline.errors import ConfigError
+
+    source = Path(path)
+    if not source.exists():
+        raise ConfigError(f"model.tokenizer={path} does not exist (a Hugging Face directory or a .gguf file)")
+    if not _has_tokenizer(source):
+        raise ConfigError(f"model.tokenizer={path} has no tokenizer (no tokenizer.json / tokenizer_config.json, "
+                          "or no tokenizer.ggml.* metadata)")
+    if source.is_dir():
+        return len(load_tokenizer(path))
+    from pipeline.models.loaders.gguf import token_count
+
+    return token_count(source)
+
+
 def save_tokenizer(checkpoint: str, workdir: Path) -> Path | None:
-    """``workdir/tokenizer/`` from the checkpoint; None when it has no tokenizer (a bare weights dir, a
-    GGUF without tokenizer metadata)."""
+    """``workdir/tokenizer/`` from the checkpoint (or the ``model.tokenizer`` source); None when it has no
+    tokenizer (a bare weights dir, a GGUF without tokenizer metadata)."""
     path = Path(checkpoint)
     if not _has_tokenizer(path):
         return None

@@ -255,11 +255,12 @@ class Session:
                 raise SessionError(f"sequence {seq_id!r}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in toks]
 
-    def speculate(self, feeds: dict[object, int], propose=None) -> dict[object, Round]:
-        """One speculative round for each sequence of ``feeds`` (``Speculation.round``)."""
+    def speculate(self, feeds: dict[object, int], propose=None, policies: dict | None = None) -> dict[object, Round]:
+        """One speculative round for each sequence of ``feeds`` (``Speculation.round``); ``policies``:
+        sequence id -> its token policy (``runtime.sampling``; default greedy)."""
         if not self.speculation:
             raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to speculate")
-        return self.speculation.round(self, feeds, propose)
+        return self.speculation.round(self, feeds, propose, policies)
 
     # --- text (artifacts built from a checkpoint carry its tokenizer) ---
 

@@ -10,16 +10,9 @@ import torch
 
 from pipeline.build.roles import DRAFT_STEP, TARGET
 from pipeline.errors import SessionError
+from pipeline.runtime.sampling import Greedy
 
-
-def accepted_length(block: list[int], greedy: list[int]) -> int:
-    """How many proposals of ``block`` (its first token fed, then the proposals) the target's greedy
-    tokens ``greedy`` (one per block row) agree with, from the first on: the one acceptance rule of the
-    session and of the eager reference (``runtime/speculative.py``)."""
-    accepted = 0
-    while accepted < len(block) - 1 and block[accepted + 1] == greedy[accepted]:
-        accepted += 1
-    return accepted
+_GREEDY = Greedy()
 
 
 @dataclass
@@ -59,15 +52,17 @@ class Speculation:
             self.pending[seq_id] = torch.cat([self.pending[seq_id], features[row: row + keep].float()])
             row += n
 
-    def round(self, session, feeds: dict[object, int], propose=None) -> dict[object, "Round"]:
+    def round(self, session, feeds: dict[object, int], propose=None, policies: dict | None = None) -> dict[object, "Round"]:
         """One speculative round for each sequence of ``feeds`` (sequence id -> its next token, the last
         one sampled and not yet fed): the draft proposes ``block_size - 1`` tokens after it, the target
         verifies every sequence's block in one step, and each sequence keeps the proposals the target's
         greedy choice agrees with plus the target's token after them. Returns each sequence's ``Round``:
         those tokens (at least one; the last is again not yet fed), the proposals and both models'
         logits. ``propose(seq_id, proposals) -> proposals`` may replace the draft's, as many of them
-        (tests: an oracle or a corrupted draft). Greedy: the tokens are the target's greedy
-        continuation, whatever the draft proposes."""
+        (tests: an oracle or a corrupted draft). ``policies`` (sequence id -> a ``runtime.sampling``
+        policy; default ``Greedy``) choose each sequence's proposals from the draft's logits and verify
+        them against the target's. Greedy: the tokens are the target's greedy continuation, whatever the
+        draft proposes; sampled: the rejection rule keeps the target's distribution."""
         if not isinstance(feeds, dict) or not feeds:
             raise SessionError("a speculative step needs a dict of at least one sequence id -> next token")
         order = []
@@ -85,7 +80,11 @@ class Speculation:
                 raise SessionError(f"sequence {seq_id!r} holds {seq.length} tokens, the flat layers' capacity of "
                                    f"{session.max_length}; release it or build with a larger kv.capacity")
             order.append((seq_id, seq, token, room))
+        policies = {seq_id: (policies or {}).get(seq_id) or _GREEDY for seq_id, *_ in order}
         proposals, draft_logits = self._draft_proposals(session, [(seq_id, token, room) for seq_id, _, token, room in order])
+        for seq_id, *_ in order:
+            if len(draft_logits[seq_id]) and not isinstance(policies[seq_id], Greedy):
+                proposals[seq_id] = policies[seq_id].propose(draft_logits[seq_id])
         if propose is not None:
             for seq_id, *_ in order:
                 given = list(propose(seq_id, list(proposals[seq_id])))
@@ -98,12 +97,11 @@ class Speculation:
         target = session.models[TARGET]
         cells = target.pool.choose(n_tokens)
         logits, features = session.run_target(blocks, list(range(n_tokens)), cells)
-        greedy = logits.argmax(-1).tolist()
         out, kept, kept_cells, row = {}, [], [], 0
         for seq_id, seq, block in blocks:
-            accepted = accepted_length(block, greedy[row: row + len(block)])
-            out[seq_id] = Round(block[1: accepted + 1] + [greedy[row + accepted]], block[1:],
-                                logits[row: row + len(block)].clone(), draft_logits[seq_id])
+            rows = logits[row: row + len(block)]
+            accepted, token = policies[seq_id].verify(block, rows, draft_logits[seq_id])
+            out[seq_id] = Round(block[1: accepted + 1] + [token], block[1:], rows.clone(), draft_logits[seq_id])
             kept.append((seq_id, seq, len(block), accepted + 1))  # the fed token and the accepted proposals
             kept_cells += cells[row: row + accepted + 1] if cells else []
             row += len(block)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.kv.op import ReferenceCache, reference_cache
-from pipeline.runtime.speculation import accepted_length
+from pipeline.runtime.sampling import accepted_length
 
 
 @dataclass

@@ -33,6 +33,10 @@ class Target(Role):
 
             name, implied = checkpoint_config(cfg.model.checkpoint)
             impose({"family": name, **implied}, f"model.checkpoint={cfg.model.checkpoint}")
+        if cfg.model.tokenizer:  # random weights (or a checkpoint's) speaking another file's tokenizer
+            from pipeline.models.tokenizer import vocabulary_size
+
+            impose({"vocab_size": vocabulary_size(cfg.model.tokenizer)}, f"model.tokenizer={cfg.model.tokenizer}")
         impose(family(cfg.model.family).options, f"model.family={cfg.model.family}")
 
     def args(self, cfg, parts):

@@ -78,6 +78,11 @@ def _field(reader, key: str, where: str, default=None):
     return field.contents()
 
 
+def token_count(path: Path) -> int:
+    """The size of the file's tokenizer vocabulary (``tokenizer.ggml.tokens``)."""
+    return len(_reader(path).fields["tokenizer.ggml.tokens"].data)
+
+
 def read_config(path: Path) -> tuple[str, dict]:
     where = f"model.checkpoint={path}"
     reader = _reader(path)

@@ -1,0 +1,270 @@
+"""The HTTP side: a FastAPI app over an ``Engine``. It validates and tokenizes requests (in a worker
+thread, off the event loop), queues them, and turns the engine's events into OpenAI responses or
+server-sent events. No model step ever runs on the event loop: ``/health`` answers while the engine
+thread prefills a long prompt."""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from pipeline.errors import SessionError
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.serve import engine as eng
+from pipeline.serve.protocol import APIError, ChatRequest, CompletionRequest
+
+log = logging.getLogger("pipeline.serve")
+RETRY_AFTER_S = 1  # what a refused client is told to wait: a sequence frees within a few decode steps
+
+
+@dataclass
+class Settings:
+    model_name: str
+    api_key: str | None = None
+    request_timeout: float | None = None  # seconds from arrival; None: none
+    default_max_tokens: int = 512  # a chat without max_tokens on an artifact of unbounded context
+
+
+def create_app(engine, prompts, settings: Settings) -> FastAPI:
+    app = FastAPI(title="pipeline.serve", docs_url=None, redoc_url=None)
+    tokenizer = prompts.tokenizer
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        log.warning("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])} at character {loc[-1]})"
+            param = None
+        elif first.get("type") == "extra_forbidden":
+            message = f"{param} is not a parameter this server takes"
+        else:
+            message = f"{param}: {first['msg']}" if param else first["msg"]
+        return await api_error(request, APIError(400, message, param=param))
+
+    def authorize(request: Request) -> None:
+        if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
+            raise APIError(401, "a valid API key is needed: Authorization: Bearer <key>", type="authentication_error",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not engine.alive:
+            return JSONResponse({"status": "not ready", "error": str(engine.error or "the engine is not running")},
+                                status_code=503)
+        return {"status": "ready", "live_sequences": len(engine.running), "queue_depth": len(engine.waiting)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "pipeline",
+                                             "max_model_len": engine.context_limit}]}
+
+    def check_model(body) -> None:
+        if body.model != settings.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def prepare(body, ids: list[int], images: list, default_max: int | None) -> eng.Request:
+        """Checks the request against the artifact and makes the engine's request (nothing queued yet)."""
+        if bad := body.unsupported():
+            raise APIError(400, f"unsupported parameters: {', '.join(bad)}", param=bad[0].split("=")[0])
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        limit = engine.context_limit
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or default_max
+        if max_tokens is None:
+            max_tokens = limit - len(ids) if limit is not None else settings.default_max_tokens
+        if limit is not None and len(ids) + max(max_tokens, 1) > limit:
+            raise APIError(400, f"this model's context is {limit} tokens; the request has {len(ids)} prompt tokens and "
+                                f"asks for {max_tokens} more", param="messages" if isinstance(body, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+        try:
+            params = SamplingParams(body.temperature, body.top_p, body.top_k, body.seed)
+        except SessionError as err:
+            raise APIError(400, str(err)) from None
+        logprobs = None
+        if isinstance(body, ChatRequest):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
+        deadline = time.monotonic() + settings.request_timeout if settings.request_timeout else None
+        return eng.Request(ids, max_tokens, params, body.stops(), logprobs, images, deadline=deadline)
+
+    async def run(http: Request, body, request: eng.Request, render):
+        """Queue ``request``; answer with one JSON body or a stream of events (``render`` makes the chunks)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+        try:
+            engine.submit(request)
+        except eng.Overloaded as err:
+            engine.metrics.requests.labels(outcome="rejected").inc()
+            raise APIError(503, f"the server is at capacity ({err}); retry later", type="server_error",
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        started = time.monotonic()
+        rid = f"{'chatcmpl' if isinstance(body, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+        def line(outcome: str) -> None:
+            log.info("%s %s request %d: %s, %d prompt + %d generated tokens in %.3f s", http.method, http.url.path,
+                     request.id, outcome, len(request.prompt), len(request.generated), time.monotonic() - started)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events():
+                done = False
+                try:
+                    for chunk in render.start(rid):
+                        yield _sse(chunk)
+                    while True:
+                        event = await queue.get()
+                        if event.kind == "tokens":
+                            if event.text or (request.logprobs is not None and event.tokens):
+                                yield _sse(render.chunk(rid, event, None))
+                            continue
+                        done = True
+                        if event.kind == "error":
+                            line(f"error {event.status} {event.message}")
+                            yield _sse({"error": {"message": event.message, "type": "server_error", "param": None,
+                                                  "code": event.code}})
+                        else:
+                            line(f"finish_reason {event.finish_reason}")
+                            yield _sse(render.chunk(rid, eng.Event("tokens"), event.finish_reason))
+                            if include_usage:
+                                yield _sse(render.usage_chunk(rid, event.usage))
+                        yield "data: [DONE]\n\n"
+                        return
+                finally:
+                    if not done:  # the client went away (the task was cancelled) or the stream broke
+                        request.cancel()
+                        line("cancelled by the client")
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        tokens, text = [], []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=0.25)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        request.cancel()
+                        line("cancelled by the client")
+                        return Response(status_code=499)
+                    continue
+                if event.kind == "tokens":
+                    tokens += event.tokens
+                    text.append(event.text)
+                elif event.kind == "error":
+                    line(f"error {event.status} {event.message}")
+                    raise APIError(event.status, event.message, type="server_error", code=event.code)
+                else:
+                    line(f"finish_reason {event.finish_reason}")
+                    return render.whole(rid, "".join(text), tokens, event.finish_reason, event.usage)
+        except asyncio.CancelledError:
+            request.cancel()
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request, body: ChatRequest):
+        authorize(http)
+        check_model(body)
+        ids, images = await run_in_threadpool(prompts.chat, body)
+        request = prepare(body, ids, images, None)
+        return await run(http, body, request, _Render(settings.model_name, tokenizer, chat=True))
+
+    @app.post("/v1/completions")
+    async def completions(http: Request, body: CompletionRequest):
+        authorize(http)
+        check_model(body)
+        ids = await run_in_threadpool(prompts.completion, body)
+        request = prepare(body, ids, [], 16)
+        return await run(http, body, request, _Render(settings.model_name, tokenizer, chat=False))
+
+    return app
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Render:
+    """OpenAI's response shapes, for chat (``chat.completion``) and completions (``text_completion``)."""
+
+    def __init__(self, model: str, tokenizer, chat: bool):
+        self.model, self.tokenizer, self.chat = model, tokenizer, chat
+        self.created = int(time.time())
+        self.offset = 0  # completions' text_offset
+
+    def _head(self, rid: str, obj: str) -> dict:
+        return {"id": rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, tokens: list) -> dict | None:
+        if not tokens or tokens[0].logprob is None:
+            return None
+        decode = self.tokenizer.decode
+        if self.chat:
+            def entry(token_id, logprob):
+                text = decode([token_id])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [entry(t.id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            text = decode([t.id])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({decode([i]): lp for i, lp in t.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def start(self, rid: str) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._head(rid, "chat.completion.chunk") | {
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}]
+
+    def chunk(self, rid: str, event, finish_reason: str | None) -> dict:
+        logprobs = self._logprobs(event.tokens)
+        if self.chat:
+            delta = {"content": event.text} if event.text or finish_reason is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return self._head(rid, "chat.completion.chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(rid, "text_completion") | {"choices": [choice]}
+
+    def usage_chunk(self, rid: str, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._head(rid, obj) | {"choices": [], "usage": usage}
+
+    def whole(self, rid: str, text: str, tokens: list, finish_reason: str, usage: dict) -> dict:
+        logprobs = self._logprobs(tokens)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+            return self._head(rid, "chat.completion") | {"choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(rid, "text_completion") | {"choices": [choice], "usage": usage}
