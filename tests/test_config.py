@@ -103,7 +103,10 @@ BAD_INPUT = [
     (["quant=int8", "quant.group_size=32"], ["quant.group_size=32", "one scale per output channel"]),
     (["quant=from_checkpoint"], ["quant=from_checkpoint", "model.checkpoint=null", "quant=int4"]),
     (["quant=int8", "backend=portable"], ["quant.scheme=int8 needs backend=xnnpack"]),
-    (["quant=int8", "draft=dflash"], ["quant.scheme=int8 with draft=dflash"]),
+    (["quant.draft=true"], ["quant.draft=true with quant.scheme=none", "quant=int8"]),
+    (["quant=int8", "quant.draft=true"], ["quant.draft=true with draft=none", "draft=dflash"]),
+    (["quant=int4", "model.hidden_dim=192", "draft=dflash", "quant.draft=true"],
+     ["quant.group_size=32", "input width 176", "draft feed_forward.w2", "(draft dflash)"]),
     # what gets past the checks to Hydra, shortened to one line
     (["kv.max_seqs=1,2"], ["kv.max_seqs=1,2", "add --multirun"]),
     (["hydra.job.chdir=maybe"], ["hydra.job.chdir=maybe", "not a valid bool"]),

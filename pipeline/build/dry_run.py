@@ -24,7 +24,8 @@ def print_plan(plan: BuildPlan, exp_dir: Path, statuses: dict[str, str]) -> None
                      f"{kv} bytes ({kv / 1e6:.2f} MB) over {len(layout.layers)} layers")
         print(line)
     if plan.quant.quantized:
-        print(f"  quant  {plan.quant.name}: the target's {plan.quant.describe(cfg.quant)}")
+        draft = " (and the draft's linears)" if cfg.quant.draft else ""
+        print(f"  quant  {plan.quant.name}: the target's{draft} {plan.quant.describe(cfg.quant)}")
     estimate = plan.memory or memory_estimate([p.layout for p in plan.attending()], plan.target.args, cfg.model.dtype)
     budget = cfg.memory_budget_gb * GB if cfg.memory_budget_gb is not None else machine_memory()
     print(f"  build peak memory: an estimated {estimate['peak'] / GB:.2f} GB of a {budget / GB:.1f} GB budget")

@@ -103,7 +103,7 @@ def resolve(cfg: DictConfig) -> BuildPlan:
         if not role.present(cfg):
             continue
         part = ModelPart(role, role.args(cfg, parts))
-        if role.name == TARGET:  # the quantization concerns the target, and refuses a draft
+        if role.name == TARGET:  # the target's quantization (a draft's: the draft role's check)
             draft = ROLES.get(DRAFT)
             check_quant(cfg.quant, part.args, cfg.model, chosen, quantizing(),
                         draft.preset(cfg) if draft is not None and draft.present(cfg) else None, cfg.validate)

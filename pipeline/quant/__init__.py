@@ -1,4 +1,5 @@
-"""Weight quantization of the target at build time: the ``quant`` config group.
+"""Weight quantization of the target (and, with ``quant.draft``, of a draft's own linears) at build
+time: the ``quant`` config group.
 
 - ``int8``: 8-bit weights with one scale per output channel, ``int4``: 4-bit weights in groups of
   ``quant.group_size`` input columns; both with 8-bit activations quantized per token at run time.
@@ -16,6 +17,12 @@ float32 scales a single 4-bit linear differs from its ``.pte`` by 1e-3 of the ou
 bfloat16 ones by 2e-7. The unquantized model measures the scheme. ``report`` records, per tensor, how far the
 quantized weight is from the float one. A tied head is untied first: the embedding and the head are
 quantized for different kernels (as ExecuTorch's export does without a shared-embedding kernel).
+
+A DFlash draft embeds with the target's table and projects with the target's head, so those are
+quantized with the target; its own linears (``fc`` and its layers') stay in float unless
+``quant.draft`` is true, which quantizes them in the target's scheme (int8 / int4; not
+``from_checkpoint``: the GGUF holds no draft). Either way the output is the target's greedy output:
+the draft only decides how many tokens a round keeps.
 """
 
 from pipeline.errors import ConfigError
@@ -36,6 +43,12 @@ class Scheme:
     def check(self, quant_cfg, args, model_cfg, backend, quantizing: list[str], draft_name: str | None, validate_cfg) -> None:
         """Refuse what this build cannot make (``backend``: the Backend, ``quantizing``: the backends with
         quantized kernels; ``draft_name``: the draft's preset, None without one)."""
+        if quant_cfg.draft:
+            raise ConfigError(f"quant.draft=true with quant.scheme={quant_cfg.scheme}: there is no scheme to quantize the "
+                              "draft with; choose quant=int8 or quant=int4, or drop quant.draft")
+
+    def check_draft(self, quant_cfg, draft_args, draft_cfg) -> None:
+        """Refuse a draft's quantization (``quant.draft``) this build cannot make."""
 
     def describe(self, quant_cfg) -> str:
         return "none"
@@ -62,28 +75,40 @@ class _Quantized(Scheme):
         if not backend.quantized_kernels:
             raise ConfigError(f"quant.scheme={scheme} needs backend={' or backend='.join(quantizing)} (its quantized "
                               f"kernels run the weights); backend={backend.name} runs quant=none only")
-        if draft_name is not None:
-            raise ConfigError(f"quant.scheme={scheme} with draft={draft_name}: quantized speculative artifacts are not "
-                              "built yet (the draft's validation holds greedy output to the unquantized target); use quant=none")
+        if quant_cfg.draft and draft_name is None:
+            raise ConfigError("quant.draft=true with draft=none: there is no draft to quantize; choose a draft "
+                              "(draft=dflash) or drop quant.draft")
         if model_cfg.dtype != "float32":
             raise ConfigError(f"quant.scheme={scheme} with model.dtype={model_cfg.dtype}: the quantized kernels compute "
                               "in float32; use model.dtype=float32")
         self.check_groups(quant_cfg, args, model_cfg)
 
     def check_groups(self, quant_cfg, args, model_cfg) -> None:
+        widths = linear_widths(args) | ({"tok_embeddings (its rows)": args.dim} if quant_cfg.embedding else {})
+        self.check_widths(quant_cfg, widths, f"model {model_cfg.name}")
+
+    def check_draft(self, quant_cfg, draft_args, draft_cfg):
+        if not quant_cfg.draft:
+            return
+        try:
+            self.check_widths(quant_cfg, draft_linear_widths(draft_args), f"draft {draft_cfg.name}")
+        except ConfigError as e:
+            raise ConfigError(f"{e}; or drop quant.draft (the draft's linears stay in float)") from None
+
+    def check_widths(self, quant_cfg, widths: dict[str, int], owner: str) -> None:
         """4-bit weights: XNNPACK's groups are a multiple of 32 columns dividing every linear's input
-        width; one scale per channel is a group of the whole width, so that width must be such a multiple."""
+        width; one scale per channel is a group of the whole width, so that width must be such a multiple.
+        ``widths``: each kind of weight of ``owner`` (the model, or the draft) -> its input width."""
         group, scheme = self.group_size(quant_cfg), quant_cfg.scheme
         if group < 0 or group % XNNPACK_GROUP:
             raise ConfigError(f"quant.group_size={group} is not a multiple of {XNNPACK_GROUP} (XNNPACK's 4-bit groups) "
                               "nor 0 (one scale per output channel)")
-        widths = linear_widths(args) | ({"tok_embeddings (its rows)": args.dim} if quant_cfg.embedding else {})
         all_widths = sorted(set(widths.values()))
         if not group:
             bad = {name: w for name, w in widths.items() if w % XNNPACK_GROUP}
             if bad:
                 name, width = next(iter(bad.items()))
-                raise ConfigError(f"quant.scheme={scheme}: the input width {width} of {name} (model {model_cfg.name}) is not "
+                raise ConfigError(f"quant.scheme={scheme}: the input width {width} of {name} ({owner}) is not "
                                   f"a multiple of {XNNPACK_GROUP}, which XNNPACK's 4-bit kernels need; use quant=int8 or "
                                   "a model whose widths are multiples of 32")
             return
@@ -93,8 +118,8 @@ class _Quantized(Scheme):
             fits = [g for g in range(XNNPACK_GROUP, min(all_widths) + 1, XNNPACK_GROUP) if all(w % g == 0 for w in all_widths)]
             hint = (f"choose one that divides {', '.join(map(str, all_widths))} ({', '.join(map(str, fits))})"
                     if fits else f"no multiple of {XNNPACK_GROUP} divides all of {', '.join(map(str, all_widths))}: use quant=int8")
-            raise ConfigError(f"quant.group_size={group} does not divide the input width {width} of {name} (model "
-                              f"{model_cfg.name}); {hint}")
+            raise ConfigError(f"quant.group_size={group} does not divide the input width {width} of {name} ({owner}); "
+                              f"{hint}")
 
     def describe(self, quant_cfg):
         group = quant_cfg.group_size
@@ -103,6 +128,10 @@ class _Quantized(Scheme):
 
     def apply(self, model, quant_cfg, model_cfg):
         return _quantize_float(model, quant_cfg, self.bits)
+
+    def apply_draft(self, draft, quant_cfg) -> dict[str, str]:
+        """Quantize the draft's own linears in place, as the target's; {module name: its format}."""
+        return _quantize_linears(draft, quant_cfg, self.bits)
 
 
 class Int8(_Quantized):
@@ -114,6 +143,9 @@ class Int8(_Quantized):
         if quant_cfg.group_size != 0:
             raise ConfigError(f"quant.group_size={quant_cfg.group_size} with quant=int8: XNNPACK's 8-bit weights have one "
                               "scale per output channel; use quant.group_size=0 (or quant=int4 for groups)")
+
+    def check_widths(self, quant_cfg, widths, owner):
+        pass  # one scale per output channel: any input width
 
 
 class Int4(_Quantized):
@@ -131,6 +163,12 @@ class FromCheckpoint(_Quantized):
     def check_groups(self, quant_cfg, args, model_cfg):
         check_checkpoint(model_cfg.checkpoint)
         super().check_groups(quant_cfg, args, model_cfg)
+
+    def check_draft(self, quant_cfg, draft_args, draft_cfg):
+        if quant_cfg.draft:
+            raise ConfigError(f"quant.draft=true with quant=from_checkpoint: the GGUF holds the target's blocks, none of "
+                              f"draft={draft_cfg.name}'s; drop quant.draft (the draft stays in float) or choose quant=int8 "
+                              "or quant=int4")
 
     def group_size(self, quant_cfg):
         return XNNPACK_GROUP  # llama.cpp's blocks: 32 columns
@@ -183,9 +221,21 @@ def linear_widths(args) -> dict[str, int]:
     return widths
 
 
+def draft_linear_widths(draft_args) -> dict[str, int]:
+    """Each kind of linear of a DFlash draft (``models/dflash.py``) -> its input width."""
+    return {"draft fc": draft_args.feature_dim, "draft attention.wq/wk/wv": draft_args.dim,
+            "draft attention.wo": draft_args.n_heads * draft_args.head_dim, "draft feed_forward.w1/w3": draft_args.dim,
+            "draft feed_forward.w2": draft_args.hidden_dim}
+
+
 def check(quant_cfg, args, model_cfg, backend, quantizing: list[str], draft_name: str | None, validate_cfg) -> None:
     """Refuse a quantization this build cannot make, from the config alone (``Scheme.check``)."""
     scheme(quant_cfg.scheme).check(quant_cfg, args, model_cfg, backend, quantizing, draft_name, validate_cfg)
+
+
+def check_draft(quant_cfg, draft_args, draft_cfg) -> None:
+    """Refuse a draft's quantization (``quant.draft``) this build cannot make, from the config alone."""
+    scheme(quant_cfg.scheme).check_draft(quant_cfg, draft_args, draft_cfg)
 
 
 def describe(quant_cfg) -> str:
@@ -218,12 +268,28 @@ def quantize(model, quant_cfg, model_cfg) -> dict:
             "tensors": tensors, "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
 
 
-def _quantize_float(model, quant_cfg, bits: int) -> dict[str, str]:
+def quantize_draft(draft, quant_cfg) -> dict:
+    """``quant.draft``: quantize a draft's own linears (float32) in place in the target's scheme; the
+    report's ``draft`` entry: what they became and every quantized tensor's error against its float weight."""
+    import torch
+    from torch import nn
+
+    chosen = scheme(quant_cfg.scheme)
+    floats = {name: m.weight.detach().clone() for name, m in draft.named_modules() if isinstance(m, nn.Linear)}
+    with torch.no_grad():
+        formats = chosen.apply_draft(draft, quant_cfg)
+        round_scales_as_xnnpack(draft)
+    _drop_instance_reprs(draft)
+    tensors = {name: {"format": formats[name], **error_stats(dequantized(draft, name), floats[name])} for name in formats}
+    return {"describe": f"the draft's own linears: {chosen.describe(quant_cfg)}", "tensors": tensors,
+            "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
+
+
+def _quantize_linears(model, quant_cfg, bits: int) -> dict[str, str]:
+    """Every ``nn.Linear`` of ``model`` to torchao's 8-bit dynamic activations and ``bits``-bit weights."""
     import torch
     from torch import nn
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerAxis, PerGroup, quantize_
-
-    from pipeline.quant.embedding import QuantEmbedding
 
     group = 0 if bits == 8 else quant_cfg.group_size
     quantize_(model, Int8DynamicActivationIntxWeightConfig(
@@ -231,7 +297,14 @@ def _quantize_float(model, quant_cfg, bits: int) -> dict[str, str]:
         filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
     how = f"int{bits} g{group}" if group else f"int{bits} per channel"
     how += ", bf16 scales" if bits == 4 else ""
-    formats = {name: f"{how} (8da{bits}w)" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return {name: f"{how} (8da{bits}w)" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _quantize_float(model, quant_cfg, bits: int) -> dict[str, str]:
+    from pipeline.quant.embedding import QuantEmbedding
+
+    group = 0 if bits == 8 else quant_cfg.group_size
+    formats = _quantize_linears(model, quant_cfg, bits)
     if quant_cfg.embedding:
         dim = model.args.dim
         model.tok_embeddings = QuantEmbedding.quantize(model.tok_embeddings.weight, bits, group or dim)

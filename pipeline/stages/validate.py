@@ -87,6 +87,8 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
 
         unquantized = build_target(cfg.model, None)[0].float()
         model = with_dequantized_weights(model)  # the same logits bit for bit, its weights dequantized once
+        if draft is not None:  # its linears quantized too (quant.draft) or in float (then a copy)
+            draft = with_dequantized_weights(draft)
     if next(model.parameters()).dtype != torch.float32:  # the oracle computes in fp32 from the same weights
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
@@ -124,7 +126,7 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
             passed = False
     speculative = {}
     if draft is not None:
-        speculative, spec_failures = _speculative_report(model, scripts, validate_cfg.tolerance)
+        speculative, spec_failures = _speculative_report(model, scripts, tolerance, bound, quantized)
         failures += spec_failures
         passed = not failures
     report = {
@@ -158,21 +160,34 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
         print(f"  images: {', '.join(images['sequences'])}, vision encoder error {images['vision_max_relative_error']:.2e}",
               flush=True)
     if speculative:
+        if quantized:
+            output = (f"{'follows' if speculative['follows_target_greedy'] else 'DOES NOT FOLLOW'} the target's greedy "
+                      f"choice every round, {'equals' if speculative['equals_greedy'] else 'differs from (near ties)'} "
+                      "the quantized eager model's greedy decoding")
+        else:
+            output = f"{'equals' if speculative['equals_greedy'] else 'DIFFERS FROM'} greedy"
         print(f"  speculative: {stats['speculative_rounds']} rounds, mean acceptance {speculative['mean_acceptance']:.2f} "
-              f"tokens/round, draft error {speculative['draft_max_relative_error']:.2e}, output "
-              f"{'equals' if speculative['equals_greedy'] else 'DIFFERS FROM'} greedy", flush=True)
+              f"tokens/round, draft error {speculative['draft_max_relative_error']:.2e}, output {output}", flush=True)
     if failures:
         raise ValidationFailed("validation failed: " + "; ".join(failures))
     return {"validation": report}
 
 
-def _speculative_report(model, scripts: list[Script], tolerance: float) -> tuple[dict, list[str]]:
-    """Acceptance per sequence, the draft's logit error, and the output against plain greedy decoding
-    of the eager target (a fresh cache per sequence)."""
+def _speculative_report(model, scripts: list[Script], tolerance: float, bound: str,
+                        quantized: bool) -> tuple[dict, list[str]]:
+    """Acceptance per sequence, the draft's logit error (within the target's bound), and the output
+    against plain greedy decoding of the eager target (a fresh cache per sequence).
+
+    A quantized target: the free-running comparison with the quantized eager model is reported, not
+    held (the .pte and the oracle are two draws of the dynamic activation rounding, so a near tie may
+    go either way and the continuations part, as they do without a draft: docs/design.md); what is
+    held is that every round gave the .pte target's own greedy tokens (the proposals its verification
+    logits' greedy choice agrees with, then its next token: ``Script.off_greedy_rounds``), the
+    logits themselves held to the quantized oracle by ``validate.quant_tolerance``."""
     from pipeline.runtime.speculative import greedy_generate
 
-    differs = [s.seq_id for s in scripts
-               if s.generated != greedy_generate(model, s.prompt, len(s.generated), s.image_embedding)]
+    greedy = {s.seq_id: greedy_generate(model, s.prompt, len(s.generated), s.image_embedding) for s in scripts}
+    differs = [s.seq_id for s in scripts if s.generated != greedy[s.seq_id]]
     draft_worst = max((e for s in scripts for e in s.draft_errors), default=0.0)
     rounds = [n for s in scripts for n in s.acceptance]
     report = {
@@ -183,8 +198,20 @@ def _speculative_report(model, scripts: list[Script], tolerance: float) -> tuple
         "acceptance": {s.seq_id: s.acceptance for s in scripts},
     }
     failures = []
-    if differs:
+    if quantized:
+        off = {s.seq_id: s.off_greedy_rounds for s in scripts if s.off_greedy_rounds}
+        report |= {
+            "follows_target_greedy": not off,  # held: each round's tokens are the .pte target's greedy choice
+            "rounds_off_target_greedy": off,
+            # reported: where the output first leaves the quantized eager model's free-running greedy decoding
+            "differs_from_greedy_at": {s.seq_id: next(i for i, (a, b) in enumerate(zip(s.generated, greedy[s.seq_id], strict=True))
+                                                      if a != b) for s in scripts if s.seq_id in differs},
+        }
+        if off:
+            failures.append(f"the speculative output of {', '.join(off)} is not the target's greedy output: "
+                            f"{sum(off.values())} rounds kept tokens its own verification logits do not choose")
+    elif differs:
         failures.append(f"the speculative output of {', '.join(differs)} differs from greedy decoding of the target")
     if draft_worst > tolerance:
-        failures.append(f"the draft's max relative logit error {draft_worst:.3e} exceeds validate.tolerance={tolerance}")
+        failures.append(f"the draft's max relative logit error {draft_worst:.3e} exceeds {bound}={tolerance}")
     return report, failures

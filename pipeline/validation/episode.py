@@ -12,6 +12,7 @@ from pipeline.build.feasibility import episode_sequences
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.progress import Progress
 from pipeline.runtime.images import splice
+from pipeline.runtime.sampling import accepted_length
 from pipeline.runtime.session import Session
 
 
@@ -26,13 +27,15 @@ class Script:
     cache: ReferenceCache | None = None
     errors: list[float] = field(default_factory=list)
     # speculative decoding (an artifact with a draft): the eager draft's cache, the eager target's
-    # tapped features not yet given to it, the draft's logit errors, proposals that differed, and the
-    # tokens each round gave
+    # tapped features not yet given to it, the draft's logit errors, proposals that differed, the
+    # tokens each round gave, and the rounds whose tokens are not the greedy choice of the .pte's own
+    # verification logits
     draft_cache: ReferenceCache | None = None
     features: torch.Tensor | None = None
     draft_errors: list[float] = field(default_factory=list)
     proposal_mismatches: int = 0
     acceptance: list[int] = field(default_factory=list)
+    off_greedy_rounds: int = 0
     # an image sequence (an artifact with a vision encoder): the image, the eager encoder's features
     # not yet spliced, the .pte's features against them
     image: object = None
@@ -41,7 +44,7 @@ class Script:
     vision_error: float | None = None
     # a quantized artifact: the unquantized eager model on the same tokens (its own cache), each step's
     # logit error against it and whether the greedy tokens agree; and whether the .pte's greedy token
-    # equals the quantized oracle's
+    # equals the quantized oracle's (with a draft, a step is each token a round keeps: its block row)
     float_cache: ReferenceCache | None = None
     float_errors: list[float] = field(default_factory=list)
     float_agree: list[bool] = field(default_factory=list)
@@ -147,9 +150,12 @@ def _oracles_over_sequences(model, scripts: list[Script], metric: str, placehold
         s.step_logits = []
 
 
-def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> None:
+def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str, unquantized=None) -> None:
     """Check each sequence's round against the eager models: the draft's logits from the eager target's
-    features, the target's logits on the verified block; both caches rolled back as the session's."""
+    features, the target's logits on the verified block; both caches rolled back as the session's. The
+    round's tokens against the greedy choice of its own verification logits (``off_greedy_rounds``). With
+    ``unquantized`` (a quantized artifact), each kept row (a token the round gave) also against that
+    model on the same block, over its own cache, rolled back likewise."""
     taps = tuple(draft.args.target_layer_ids)
     for seq_id, r in rounds.items():
         s = by_id[seq_id]
@@ -165,9 +171,18 @@ def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str) -> 
             s.features = s.features[:0]
             s.draft_errors.append(relative_error(r.draft_logits, want, metric))
             s.proposal_mismatches += want.argmax(-1).tolist() != r.draft_logits.argmax(-1).tolist()
+        kept = len(r.tokens)  # the fed token and the accepted proposals stay
+        got = r.logits.argmax(-1).tolist()
+        if unquantized is not None:
+            ref = _oracle_step(unquantized, s, block, start, (), cache=s.float_cache)[:kept]
+            s.float_errors += [relative_error(g, w, metric) for g, w in zip(r.logits[:kept], ref, strict=True)]
+            s.float_agree += [g == w for g, w in zip(got[:kept], ref.argmax(-1).tolist(), strict=True)]
+            s.float_cache.truncate(start + kept)
         want = _oracle_step(model, s, block, start, taps)
         s.errors.append(relative_error(r.logits, want, metric))
-        kept = len(r.tokens)  # the fed token and the accepted proposals stay
+        s.oracle_agree += [g == w for g, w in zip(got[:kept], want[:kept].argmax(-1).tolist(), strict=True)]
+        accepted = accepted_length(block, got)  # the target's greedy choice on these logits: agreed proposals, then its token
+        s.off_greedy_rounds += r.tokens != block[1: accepted + 1] + [got[accepted]]
         s.cache.truncate(start + kept)
         s.features = s.features[: s.features.shape[0] - (len(block) - kept)]  # the rejected rows' features
         s.acceptance.append(kept)
@@ -216,7 +231,7 @@ def run_episode(session: Session, model, scripts: list[Script], causal: bool, me
             decoding = [s for s in live if s.fed == len(s.prompt)]
             if draft is not None and decoding:  # every decoding sequence speculates, in one round
                 rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
-                _speculative_round(model, draft, rounds, by_id, metric)
+                _speculative_round(model, draft, rounds, by_id, metric, unquantized)
                 stats["speculative_rounds"] += 1
                 stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
                 _finish(session, live)

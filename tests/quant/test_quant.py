@@ -246,6 +246,20 @@ def test_from_checkpoint_refuses_an_unquantized_gguf(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_from_checkpoint_keeps_the_draft_in_float(tmp_path):
+    """A GGUF's blocks with a draft: built (the draft's linears in float); ``quant.draft`` is refused, the
+    GGUF holding none of the draft's weights."""
+    from pipeline.build.plan import resolve
+    from pipeline.errors import ConfigError
+
+    _, path = _gguf_config(tmp_path, "Q4_0")
+    overrides = [f"+model.checkpoint={path}", "quant=from_checkpoint", "draft=dflash", "draft.target_layer_ids=[0,1]"]
+    resolve(resolve_model(compose_config(*overrides), overrides))
+    overrides.append("quant.draft=true")
+    with pytest.raises(ConfigError, match="quant.draft=true with quant=from_checkpoint: the GGUF holds the target's blocks"):
+        resolve(resolve_model(compose_config(*overrides), overrides))
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "measured: the int4 SmolLM2 is chaotic under its dynamic activation rounding: multiplying the eager "
@@ -280,3 +294,115 @@ def test_smollm2_int4_eight_prompts_match_the_quantized_eager_model(tmp_path):
     for i in range(3):
         want = greedy_generate(eager, tok(prompts[i]).input_ids, 32)
         assert got[i] == tok.decode(want, skip_special_tokens=True), (prompts[i], got[i])
+
+
+# a 4-bit target with a DFlash draft whose own linears are 4-bit too (quant.draft): every width a multiple of 32
+QUANT_DRAFT = (*QUANT_MODEL, "draft=dflash", "draft.target_layer_ids=[0,1]", "draft.hidden_dim=192", *SCHEMES["int4"],
+               "quant.draft=true", "kv.max_seqs=2", "validate.decode_steps=16", "experiment_name=q_draft")
+
+
+@pytest.fixture(scope="module")
+def quantized_draft(build_dir):
+    return build_dir(*QUANT_DRAFT)
+
+
+def _eager_quantized(cfg):
+    """The export's eager models: the target and the draft quantized as ``cfg`` says."""
+    from pipeline.models.methods import build_draft_model
+    from pipeline.quant import quantize_draft
+
+    target, _ = build_target(cfg.model, None)
+    quantize(target, cfg.quant, cfg.model)
+    draft = build_draft_model(cfg.draft, target.args)
+    quantize_draft(draft, cfg.quant)
+    return target, draft
+
+
+def _session_decode(session, prompt: list[int], n: int, speculate: bool = False, propose=None) -> tuple[list[int], list[int]]:
+    """``n`` greedy tokens after ``prompt`` (prefilled in chunks) through the .pte: one step per token,
+    or speculative rounds (``propose(have, proposals)``: replace the draft's); and the tokens each round gave."""
+    session.add("x")
+    for i in range(0, len(prompt), session.max_step_tokens):
+        logits = session.step({"x": prompt[i: i + session.max_step_tokens]})["x"]
+    out = [int(logits.argmax())]
+    while len(out) < n:
+        if speculate:
+            out += session.speculate({"x": out[-1]}, propose=(lambda _, p: propose(len(out), p)) if propose else None)["x"].tokens
+        else:
+            out.append(int(session.step({"x": [out[-1]]})["x"].argmax()))
+    acceptance = session.acceptance.get("x", [])
+    session.release("x")
+    return out[:n], acceptance
+
+
+def test_quantized_target_with_a_draft(quantized_draft):
+    """A 4-bit target with a draft (its linears 4-bit too) builds and validates: the target's and the draft's
+    logits against the eager models quantized the same way, every round's tokens the .pte target's greedy
+    choice, the scheme's cost against the unquantized target. Through the .pte, speculative decoding gives
+    the quantized target's plain greedy output, with the draft's proposals, with the target's own (whole
+    blocks accepted) and with a wrong one in each block; that output agrees with the quantized eager
+    model's greedy choice on the same tokens but for near ties."""
+    from pipeline.kv.op import ReferenceCache, reference_cache
+    from pipeline.runtime.session import Session
+
+    cfg = compose_config(*QUANT_DRAFT)
+    validation = json.loads((quantized_draft / "validation.json").read_text())
+    assert validation["passed"] and validation["tolerance"] == cfg.validate.quant_tolerance
+    spec, q = validation["speculative"], validation["quant"]
+    assert spec["follows_target_greedy"] and spec["rounds_off_target_greedy"] == {}
+    assert 0 < spec["draft_max_relative_error"] <= cfg.validate.quant_tolerance
+    assert validation["scenario"]["speculative_rounds"] > 10
+    assert q["greedy_agreement_with_oracle"] >= 0.9
+    assert q["against_unquantized"]["token_agreement"] >= cfg.validate.min_token_agreement
+    report = json.loads((quantized_draft / "manifest.json").read_text())["quant"]
+    assert report["scheme"] == "int4" and len(report["tensors"]) == 2 * 7 + 2  # the target's, as without a draft
+    assert set(report["draft"]["tensors"]) == {"fc"} | {f"layers.0.{n}" for n in (
+        "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+        "feed_forward.w3")}
+    assert all(t["format"] == "int4 g32, bf16 scales (8da4w)" for t in report["draft"]["tensors"].values())
+
+    session, n = Session(quantized_draft), 24
+    eager, _ = _eager_quantized(cfg)
+    gen = torch.Generator().manual_seed(11)
+    agree = []
+    for length in (5, 21):
+        prompt = torch.randint(0, cfg.model.vocab_size, (length,), generator=gen).tolist()
+        greedy, _ = _session_decode(session, prompt, n)
+        assert len(set(greedy)) > 5, "the continuation varies"
+        assert _session_decode(session, prompt, n, speculate=True)[0] == greedy
+        oracle = lambda have, p: (greedy + [0] * 8)[have: have + len(p)]  # noqa: E731
+        tokens, acceptance = _session_decode(session, prompt, n, speculate=True, propose=oracle)
+        assert tokens == greedy and acceptance[:2] == [8, 8]  # whole blocks: 7 proposals and the target's token
+        wrong = lambda have, p: [t if i != 2 else (t + 1) % 512 for i, t in enumerate(oracle(have, p))]  # noqa: E731
+        tokens, acceptance = _session_decode(session, prompt, n, speculate=True, propose=wrong)
+        assert tokens == greedy and acceptance[:2] == [3, 3]  # proposals 0 and 1, then the target's token
+        tokens = prompt + greedy
+        with reference_cache(ReferenceCache(eager.args.layer_kv())), torch.no_grad():
+            want = eager.logits(eager.hidden(eager.embed(torch.tensor(tokens)), torch.arange(len(tokens))))
+        agree += (want[len(prompt) - 1: -1].argmax(-1) == torch.tensor(greedy)).tolist()
+    assert sum(agree) / len(agree) >= 0.9, agree
+
+
+def test_quantized_speculative_validation_fails_on_a_broken_round(quantized_draft, tmp_path, monkeypatch):
+    """A session whose rounds keep a token the target did not choose (the bonus token off by one) fails
+    validation, though every logit still matches the oracle's on the tokens it was fed."""
+    from pipeline.build.plan import plan_of
+    from pipeline.build.roles import DRAFT, TARGET
+    from pipeline.runtime.session import Session
+    from pipeline.stages import validate
+
+    speculate = Session.speculate
+
+    def broken(self, feeds, *args, **kwargs):
+        rounds = speculate(self, feeds, *args, **kwargs)
+        for r in rounds.values():
+            r.tokens[-1] = (r.tokens[-1] + 1) % 512
+        return rounds
+
+    cfg = compose_config(*QUANT_DRAFT)
+    target, draft = _eager_quantized(cfg)
+    for name in ("model.pte", "manifest.json"):
+        (tmp_path / name).write_bytes((quantized_draft / name).read_bytes())
+    monkeypatch.setattr(Session, "speculate", broken)
+    with pytest.raises(validate.ValidationFailed, match="is not the target's greedy output: .* rounds kept tokens"):
+        validate.run(plan_of(cfg), {"models": {TARGET: target, DRAFT: draft}}, tmp_path)

@@ -46,8 +46,10 @@ class Draft(Role):
     def check(self, cfg, part, parts, stages):
         from pipeline.build.feasibility import check_draft
         from pipeline.kv.layouts import KVConfigError
+        from pipeline.quant import check_draft as check_quant
 
         check_draft(part.args, parts[TARGET].args, cfg.draft)
+        check_quant(cfg.quant, part.args, cfg.draft)
         block, step = part.args.block_size, cfg.kv.max_step_tokens
         if block > step:
             raise KVConfigError(f"draft.block_size={block} is more than kv.max_step_tokens={step}: a verification step "
@@ -85,7 +87,15 @@ class Draft(Role):
 
         from pipeline.models.methods import build_draft_model
 
-        return build_draft_model(cfg.draft, built[TARGET].args).to(getattr(torch, cfg.model.dtype)), {}
+        draft = build_draft_model(cfg.draft, built[TARGET].args).to(getattr(torch, cfg.model.dtype))
+        if not cfg.quant.draft:  # its own linears stay in float; its embedding and head are the target's
+            return draft, {}
+        from pipeline.quant import quantize_draft
+
+        report = quantize_draft(draft, cfg.quant)
+        print(f"  quantized {len(report['tensors'])} draft tensors: {report['describe']} (max relative rms error "
+              f"{report['max_relative_rms_error']:.2e})", flush=True)
+        return draft, {"quant": {DRAFT: report}}  # added to the target's report (build_models)
 
     def views(self, part, built):
         from pipeline.models.dflash import DraftForward
