@@ -16,7 +16,6 @@ import threading
 import time
 
 from _load import free_port, rss_mb, run_clients, summarize, wait_ready
-
 from _results import REPO, write_section
 
 WORDS = "the of and to in is was for on that with as by at from his her an were are which this be".split()

@@ -1,0 +1,102 @@
+"""Inter-token latency of running streams while a long prompt arrives: the chunked-prefill policy
+measured. Four greedy streams decode; after they are running, a request with a ``--long``-token
+prompt arrives. Reports the streams' gaps between tokens before it and while it is prefilled (from
+its arrival to its first token), and its time to first token.
+
+    python bench/serve_prefill.py --artifact outputs/smollm2_int4_long/v0001 [--long 1000]
+
+The policy (``pipeline/serve/engine.py``): every step feeds one token of each decoding stream, and the
+prompt takes the rest of the step's ``kv.max_step_tokens``. Writes the "serve_prefill" section of
+docs/benchmarks.md."""
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+
+from _load import free_port, stream_completion, wait_ready
+from _results import REPO, write_section
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", required=True)
+    parser.add_argument("--long", type=int, default=1000)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    from pipeline.runtime.session import Session
+
+    session = Session(args.artifact)
+    tok = session.tokenizer
+    ids = tok(" ".join(["lighthouse keeper story"] * args.long)).input_ids[: args.long]
+    long_prompt = tok.decode(ids)
+    n_long = len(tok(long_prompt).input_ids)
+    max_tokens = min(400, session.max_length - 40 if session.max_length else 400)
+    del session
+    port = free_port()
+    log = open(REPO / "outputs" / "serve_prefill.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "pipeline.serve", args.artifact, "--port", str(port), "--model-name", "m"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    stamps: dict[int, list[float]] = {i: [] for i in range(args.streams)}
+    try:
+        wait_ready(port, "/ready", server)
+        stream_completion(port, {"model": "m", "prompt": "warm up", "max_tokens": 4, "temperature": 0})
+
+        def run(i):
+            import http.client
+            import json
+
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": f"Story {i}: once upon a time",
+                                                                "max_tokens": max_tokens, "temperature": 0, "stream": True}),
+                         {"Content-Type": "application/json"})
+            for raw in conn.getresponse():
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    stamps[i].append(time.perf_counter())
+            conn.close()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(args.streams)]
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps.values()) < 20:
+            time.sleep(0.01)
+        arrival = time.perf_counter()
+        long = stream_completion(port, {"model": "m", "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+        first = arrival + long.ttft
+        for t in threads:
+            t.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+    def gaps(lo, hi):
+        out = []
+        for s in stamps.values():
+            out += [b - a for a, b in zip(s, s[1:], strict=False) if lo <= a and b <= hi]
+        return sorted(out)
+
+    def row(name, xs):
+        if not xs:
+            return f"| {name} | 0 | - | - | - |"
+        return (f"| {name} | {len(xs)} | {xs[len(xs) // 2] * 1000:.1f} | {xs[int(0.95 * (len(xs) - 1))] * 1000:.1f} | "
+                f"{xs[-1] * 1000:.1f} |")
+
+    before, during = gaps(arrival - 3.0, arrival), gaps(arrival, first)
+    lines = [f"## Inter-token latency while a {n_long}-token prompt arrives ({args.streams} streams, CPU)", "",
+             f"`python bench/serve_prefill.py --artifact {args.artifact}` ({time.strftime('%Y-%m-%d')}): {args.streams} greedy "
+             f"streams decode; a {n_long}-token prompt arrives and is prefilled in the width each step leaves "
+             f"(kv.max_step_tokens less one token per stream); its time to first token {long.ttft * 1000:.0f} ms.", "",
+             "| window | gaps | p50 ms | p95 ms | max ms |", "|---|---|---|---|---|",
+             row("3 s before the long prompt", before), row("while it is prefilled", during)]
+    print("\n".join(lines))
+    if not args.no_write:
+        write_section("serve_prefill", "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
