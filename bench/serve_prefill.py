@@ -63,9 +63,25 @@ def main() -> int:
             t.start()
         while min(len(s) for s in stamps.values()) < 20:
             time.sleep(0.01)
+        health, polling = [], threading.Event()
+
+        def poll():  # /health's latency while the long prompt is prefilled
+            import urllib.request
+
+            while not polling.is_set():
+                t0 = time.perf_counter()
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+                    r.read()
+                health.append((t0, time.perf_counter() - t0))
+                time.sleep(0.02)
+
+        poller = threading.Thread(target=poll)
         arrival = time.perf_counter()
+        poller.start()
         long = stream_completion(port, {"model": "m", "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
         first = arrival + long.ttft
+        polling.set()
+        poller.join()
         for t in threads:
             t.join()
     finally:
@@ -86,12 +102,15 @@ def main() -> int:
                 f"{xs[-1] * 1000:.1f} |")
 
     before, during = gaps(arrival - 3.0, arrival), gaps(arrival, first)
+    seen = sorted(latency for t0, latency in health if t0 < first)
     lines = [f"## Inter-token latency while a {n_long}-token prompt arrives ({args.streams} streams, CPU)", "",
              f"`python bench/serve_prefill.py --artifact {args.artifact}` ({time.strftime('%Y-%m-%d')}): {args.streams} greedy "
              f"streams decode; a {n_long}-token prompt arrives and is prefilled in the width each step leaves "
              f"(kv.max_step_tokens less one token per stream); its time to first token {long.ttft * 1000:.0f} ms.", "",
              "| window | gaps | p50 ms | p95 ms | max ms |", "|---|---|---|---|---|",
-             row("3 s before the long prompt", before), row("while it is prefilled", during)]
+             row("3 s before the long prompt", before), row("while it is prefilled", during), "",
+             "| /health while the long prompt is prefilled | calls | p50 ms | max ms |", "|---|---|---|---|",
+             f"| | {len(seen)} | {seen[len(seen) // 2] * 1000:.1f} | {seen[-1] * 1000:.1f} |" if seen else "| | 0 | - | - |"]
     print("\n".join(lines))
     if not args.no_write:
         write_section("serve_prefill", "\n".join(lines))

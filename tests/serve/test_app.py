@@ -321,3 +321,19 @@ def test_a_bad_image_is_refused(draft_server, url, message):
     status, error = draft_server.post("/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
     assert status == 400 and message in error["error"]["message"]
+
+
+@pytest.mark.slow
+def test_smollm2_is_served_and_answers(build_dir, tmp_path):
+    """The real model through the server: SmolLM2-135M-Instruct's own blocks, its chat template."""
+    artifact = build_dir("model=smollm2_135m", "quant=from_checkpoint", "kv.max_seqs=2", "kv.capacity=256",
+                         "kv.max_step_tokens=64", "experiment_name=smollm2_serve")
+    from openai import OpenAI
+
+    with running_server(artifact, tmp_path) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
+        text = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert "Paris" in text.choices[0].text
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                              max_tokens=24, temperature=0)
+        assert "Paris" in chat.choices[0].message.content
