@@ -20,6 +20,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model-name", default=None,
                         help="the model id clients name (default: <experiment>/<version> from the artifact's path)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--verbose", action="store_true", help="show the libraries' known noise while loading (pipeline/quiet.py)")
     args = parser.parse_args(argv)
     if args.max_queue < 0:
         parser.error(f"--max-queue={args.max_queue} must be >= 0")
@@ -36,10 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {artifact} is not a built artifact (no manifest.json); build one with python -m pipeline", file=sys.stderr)
         return 2
     from pipeline.errors import SessionError
-    from pipeline.serve.server import build
+    from pipeline.quiet import filtered_stderr
 
     try:
-        app, engine = build(artifact, args.model_name, args.api_key, args.max_queue, args.request_timeout)
+        with filtered_stderr(not args.verbose):
+            from pipeline.serve.server import build
+
+            app, engine = build(artifact, args.model_name, args.api_key, args.max_queue, args.request_timeout)
     except SessionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

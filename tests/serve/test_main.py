@@ -1,0 +1,25 @@
+"""``python -m pipeline.serve``'s refusals: one line, exit 2, before serving anything."""
+
+import subprocess
+import sys
+
+from conftest import BATCHED
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.serve", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_a_directory_that_is_not_an_artifact_is_refused(tmp_path):
+    out = serve(str(tmp_path))
+    assert out.returncode == 2 and "is not a built artifact (no manifest.json)" in out.stderr
+
+
+def test_an_artifact_without_a_tokenizer_is_refused(build_dir):
+    out = serve(str(build_dir(*BATCHED)))
+    assert out.returncode == 2 and "has no tokenizer, and the server takes text" in out.stderr, out.stderr[-2000:]
+
+
+def test_bad_flags_are_refused(tmp_path):
+    out = serve(str(tmp_path), "--max-queue", "-1")
+    assert out.returncode == 2 and "--max-queue=-1 must be >= 0" in out.stderr
