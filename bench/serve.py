@@ -5,7 +5,8 @@ generator (``_load.py``), and against the ``Session`` it drives stepped alone.
         [--clients 1 4 8 16 --prompt-tokens 128 --max-tokens 128]
 
 Each artifact is served by ``python -m pipeline.serve``; llama.cpp by ``python -m llama_cpp.server
---model GGUF --n_threads 2`` (``pip install -e '.[bench]'``). At each client count, ``2 x clients``
+--model GGUF --n_threads 2 --interrupt_requests False`` (``pip install -e '.[bench]'``; by default a new
+request interrupts the one it is streaming, so concurrent clients get errors instead of waiting). At each client count, ``2 x clients``
 (at least 4) streamed greedy completions of ``--prompt-tokens`` tokens asking for ``--max-tokens``:
 aggregate output tokens/s, requests/s, time to first token and inter-token latency (p50, p95). The
 "engine alone" row runs the server's engine (the ``Session`` and the scheduler) in this process through
@@ -54,8 +55,9 @@ def bench_server(cmd: list[str], port: int, ready: str, model: str, texts: list[
                       for i in range(n)]
             results, wall = run_clients(port, bodies, c)
             rows[c] = summarize(results, wall)
+            errors = [r.error for r in results if not r.ok]
             print(f"  {cmd[2]} {c:>2} clients: {rows[c]['tok_s']:.1f} tok/s, TTFT p50 {rows[c]['ttft_p50'] * 1000:.0f} ms, "
-                  f"ITL p50 {rows[c]['itl_p50'] * 1000:.1f} ms, errors {rows[c]['errors']}", flush=True)
+                  f"ITL p50 {rows[c]['itl_p50'] * 1000:.1f} ms, errors {rows[c]['errors']} {errors[:1]}", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -113,12 +115,12 @@ def main() -> int:
         port = free_port()
         table["llama.cpp server"] = bench_server(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(GGUF), "--n_threads", "2", "--port", str(port),
-             "--n_ctx", "2048"], port, "/v1/models", "m", texts, args.clients, args.max_tokens, False)
+             "--n_ctx", "2048", "--interrupt_requests", "False"], port, "/v1/models", "m", texts, args.clients, args.max_tokens, False)
     lines = [f"## Serving SmolLM2-135M-Instruct: our server against llama.cpp's OpenAI server (CPU, {args.prompt_tokens}-token "
              f"prompts, {args.max_tokens} tokens each)", "",
              f"`python bench/serve.py --artifacts {' '.join(args.artifacts)}` ({time.strftime('%Y-%m-%d')}), one run, the "
              "servers in turn, streamed greedy /v1/completions from the same load generator (bench/_load.py); "
-             "llama.cpp: `python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --n_threads 2` "
+             "llama.cpp: `python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --n_threads 2 --interrupt_requests False` "
              "(llama-cpp-python 0.3.36). Requests per row: 2 x clients (at least 4).", "",
              "| server | clients | tok/s | x llama.cpp | req/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
