@@ -19,26 +19,21 @@ from _load import free_port, stream_completion, wait_ready
 from _results import REPO, write_section
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--artifact", required=True)
-    parser.add_argument("--long", type=int, default=1000)
-    parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-    from pipeline.runtime.session import Session
+def _pct(xs: list, which: int = 3) -> str:
+    if not xs:
+        return "-"
+    values = [xs[len(xs) // 2], xs[int(0.95 * (len(xs) - 1))], xs[-1]]
+    values = values if which == 3 else [values[0], values[2]]
+    return " / ".join(f"{v * 1000:.1f}" for v in values)
 
-    session = Session(args.artifact)
-    tok = session.tokenizer
-    ids = tok(" ".join(["lighthouse keeper story"] * args.long)).input_ids[: args.long]
-    long_prompt = tok.decode(ids)
-    n_long = len(tok(long_prompt).input_ids)
-    max_tokens = min(400, session.max_length - 40 if session.max_length else 400)
-    del session
+
+def measure(args, chunk: int, long_prompt: str, max_tokens: int) -> tuple:
+    """(long prompt's TTFT, sorted gaps before, sorted gaps while prefilled, sorted /health latencies)."""
     port = free_port()
     log = open(REPO / "outputs" / "serve_prefill.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "pipeline.serve", args.artifact, "--port", str(port), "--model-name", "m"],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    extra = ["--prefill-chunk", str(chunk)] if chunk else []
+    server = subprocess.Popen([sys.executable, "-m", "pipeline.serve", args.artifact, "--port", str(port), "--model-name", "m",
+                               *extra], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     stamps: dict[int, list[float]] = {i: [] for i in range(args.streams)}
     try:
         wait_ready(port, "/ready", server)
@@ -95,22 +90,41 @@ def main() -> int:
             out += [b - a for a, b in zip(s, s[1:], strict=False) if lo <= a and b <= hi]
         return sorted(out)
 
-    def row(name, xs):
-        if not xs:
-            return f"| {name} | 0 | - | - | - |"
-        return (f"| {name} | {len(xs)} | {xs[len(xs) // 2] * 1000:.1f} | {xs[int(0.95 * (len(xs) - 1))] * 1000:.1f} | "
-                f"{xs[-1] * 1000:.1f} |")
+    return long.ttft, gaps(arrival - 3.0, arrival), gaps(arrival, first), sorted(latency for t0, latency in health if t0 < first)
 
-    before, during = gaps(arrival - 3.0, arrival), gaps(arrival, first)
-    seen = sorted(latency for t0, latency in health if t0 < first)
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", required=True)
+    parser.add_argument("--long", type=int, default=1000)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[0, 16],
+                        help="the server's --prefill-chunk for each run (0: its default, the whole width left)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    from pipeline.runtime.session import Session
+
+    session = Session(args.artifact)
+    tok = session.tokenizer
+    ids = tok(" ".join(["lighthouse keeper story"] * args.long)).input_ids[: args.long]
+    long_prompt = tok.decode(ids)
+    n_long = len(tok(long_prompt).input_ids)
+    max_tokens = min(400, session.max_length - 40 if session.max_length else 400)
+    del session
+    rows = []
+    for chunk in args.prefill_chunks:
+        rows.append(measure(args, chunk, long_prompt, max_tokens))
     lines = [f"## Inter-token latency while a {n_long}-token prompt arrives ({args.streams} streams, CPU)", "",
              f"`python bench/serve_prefill.py --artifact {args.artifact}` ({time.strftime('%Y-%m-%d')}): {args.streams} greedy "
              f"streams decode; a {n_long}-token prompt arrives and is prefilled in the width each step leaves "
-             f"(kv.max_step_tokens less one token per stream); its time to first token {long.ttft * 1000:.0f} ms.", "",
-             "| window | gaps | p50 ms | p95 ms | max ms |", "|---|---|---|---|---|",
-             row("3 s before the long prompt", before), row("while it is prefilled", during), "",
-             "| /health while the long prompt is prefilled | calls | p50 ms | max ms |", "|---|---|---|---|",
-             f"| | {len(seen)} | {seen[len(seen) // 2] * 1000:.1f} | {seen[-1] * 1000:.1f} |" if seen else "| | 0 | - | - |"]
+             "(kv.max_step_tokens less one token per stream), or at most `--prefill-chunk` tokens a step. Gaps between "
+             "the streams' tokens in the 3 s before it and while it is prefilled (its arrival to its first token), and "
+             "/health's latency meanwhile (the engine runs in its own process).", "",
+             "| --prefill-chunk | long prompt's TTFT ms | gaps before: p50 / p95 / max ms | gaps while prefilled: p50 / p95 / max ms "
+             "| /health calls, p50 / max ms |", "|---|---|---|---|---|"]
+    for chunk, (ttft, before, during, seen) in zip(args.prefill_chunks, rows, strict=True):
+        lines.append(f"| {chunk or 'default'} | {ttft * 1000:.0f} | {_pct(before)} | {_pct(during)} | "
+                     f"{len(seen)}, {_pct(seen, 2)} |")
     print("\n".join(lines))
     if not args.no_write:
         write_section("serve_prefill", "\n".join(lines))

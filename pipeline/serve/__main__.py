@@ -1,5 +1,5 @@
 """``python -m pipeline.serve ARTIFACT_DIR [--host 127.0.0.1 --port 8000 --api-key KEY --max-queue N
---request-timeout S --model-name NAME]``: serve a built artifact over the OpenAI API."""
+--request-timeout S --model-name NAME --prefill-chunk N]``: serve a built artifact over the OpenAI API."""
 
 import argparse
 import logging
@@ -19,11 +19,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="seconds from arrival after which a request ends with an error (default: none)")
     parser.add_argument("--model-name", default=None,
                         help="the model id clients name (default: <experiment>/<version> from the artifact's path)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="prompt tokens a step takes while other sequences decode (default: all the step width "
+                             "they leave); smaller keeps running streams faster and a new prompt's first token later")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--verbose", action="store_true", help="show the libraries' known noise while loading (pipeline/quiet.py)")
     args = parser.parse_args(argv)
     if args.max_queue < 0:
         parser.error(f"--max-queue={args.max_queue} must be >= 0")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk={args.prefill_chunk} must be >= 1")
     if args.request_timeout is not None and not args.request_timeout > 0:
         parser.error(f"--request-timeout={args.request_timeout} must be a positive number of seconds")
     return args
@@ -43,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         with filtered_stderr(not args.verbose):
             from pipeline.serve.server import build
 
-            app, engine = build(artifact, args.model_name, args.api_key, args.max_queue, args.request_timeout)
+            app, engine = build(artifact, args.model_name, args.api_key, args.max_queue, args.request_timeout,
+                                args.prefill_chunk)
     except SessionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

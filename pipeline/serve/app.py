@@ -1,7 +1,7 @@
-"""The HTTP side: a FastAPI app over an ``Engine``. It validates and tokenizes requests (in a worker
-thread, off the event loop), queues them, and turns the engine's events into OpenAI responses or
-server-sent events. No model step ever runs on the event loop: ``/health`` answers while the engine
-thread prefills a long prompt."""
+"""The HTTP side: a FastAPI app over an ``Engine`` (in-process) or an ``EngineProcess`` (the server's).
+It validates and tokenizes requests (in a worker thread, off the event loop), queues them, and turns
+the engine's events into OpenAI responses or server-sent events. No model step ever runs on the event loop, nor in its process: ``/health``
+answers while the engine prefills a long prompt."""
 
 import asyncio
 import json
@@ -69,11 +69,12 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         if not engine.alive:
             return JSONResponse({"status": "not ready", "error": str(engine.error or "the engine is not running")},
                                 status_code=503)
-        return {"status": "ready", "live_sequences": len(engine.running), "queue_depth": len(engine.waiting)}
+        running, waiting = engine.status()
+        return {"status": "ready", "live_sequences": running, "queue_depth": waiting}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await run_in_threadpool(engine.render_metrics), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -120,7 +121,7 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         try:
             engine.submit(request)
         except eng.Overloaded as err:
-            engine.metrics.requests.labels(outcome="rejected").inc()
+            engine.count_rejected()
             raise APIError(503, f"the server is at capacity ({err}); retry later", type="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         started = time.monotonic()
@@ -158,7 +159,7 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
                         return
                 finally:
                     if not done:  # the client went away (the task was cancelled) or the stream broke
-                        request.cancel()
+                        engine.cancel(request)
                         line("cancelled by the client")
 
             return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -170,7 +171,7 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
                     event = await asyncio.wait_for(queue.get(), timeout=0.25)
                 except TimeoutError:
                     if await http.is_disconnected():
-                        request.cancel()
+                        engine.cancel(request)
                         line("cancelled by the client")
                         return Response(status_code=499)
                     continue
@@ -184,7 +185,7 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
                     line(f"finish_reason {event.finish_reason}")
                     return render.whole(rid, "".join(text), tokens, event.finish_reason, event.usage)
         except asyncio.CancelledError:
-            request.cancel()
+            engine.cancel(request)
             raise
 
     @app.post("/v1/chat/completions")

@@ -77,6 +77,7 @@ class Request:
     id: int = field(default_factory=itertools.count().__next__)
     # engine-side state
     cancelled: bool = False
+    finished: bool = False
     fed: int = 0  # prompt tokens fed so far
     generated: list[int] = field(default_factory=list)
     text: str = ""  # the text sent so far
@@ -109,8 +110,12 @@ class Request:
 class Engine:
     """Continuous batching over ``session`` in a thread of its own (module docstring)."""
 
-    def __init__(self, session, metrics, max_queue: int = 64, eos: set[int] | None = None):
+    def __init__(self, session, metrics, max_queue: int = 64, eos: set[int] | None = None, prefill_chunk: int | None = None):
         self.session = session
+        # prompt tokens a step takes while other sequences decode (None: all the width they leave); alone,
+        # a prompt always takes the whole width. Smaller: the running streams' steps are shorter, the
+        # new prompt's first token later (bench/serve_prefill.py measures both)
+        self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.max_queue = max_queue
         self.eos = eos if eos is not None else _eos_ids(session)
@@ -151,6 +156,20 @@ class Engine:
             self.waiting.append(request)
             self.metrics.queue_depth.set(len(self.waiting))
             self._lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: released at the next iteration."""
+        request.cancel()
+
+    def status(self) -> tuple[int, int]:
+        """(live sequences, waiting requests)."""
+        return len(self.running), len(self.waiting)
+
+    def count_rejected(self) -> None:
+        self.metrics.requests.labels(outcome="rejected").inc()
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
 
     def needs(self, request: Request) -> int:
         """Rows of KV the request may take: its prompt, its tokens and a draft block past them."""
@@ -194,6 +213,8 @@ class Engine:
         if not speculating:
             feeds = {r.id: [r.generated[-1]] for r in decoding}
         room = width - len(feeds)
+        if feeds and self.prefill_chunk is not None:
+            room = min(room, self.prefill_chunk)
         if len(feeds) <= width:  # a step wider than max_step_tokens is a decode step only
             for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrived):
                 if room <= 0:
@@ -309,6 +330,7 @@ class Engine:
 
     def _finish(self, request: Request, outcome: str, error: tuple | None = None) -> None:
         """End ``request``: release its sequence (if it has one), count it, tell its client."""
+        request.finished = True
         with self._lock:
             if request in self.waiting:
                 self.waiting.remove(request)
