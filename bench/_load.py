@@ -138,8 +138,15 @@ def free_port() -> int:
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident memory of ``pid`` and its descendants (the server and its engine process)."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return total
+    return total + sum(rss_mb(child) for child in children)

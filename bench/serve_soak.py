@@ -47,7 +47,8 @@ def main() -> int:
         if out.returncode:
             print(out.stdout[-2000:], out.stderr[-2000:])
             return 1
-        artifact = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("built "))
+        artifact = next(line.split()[1 if line.startswith("built ") else 3] for line in out.stdout.splitlines()
+                        if line.startswith(("built ", "up to date: ")))
         artifact = str(REPO / artifact)
     rng = random.Random(args.seed)
     bodies, disconnect = [], {}
@@ -116,7 +117,7 @@ def main() -> int:
         f"| {len(results)} | {hung_up} | {summary['requests']} | {len(failures)} | {cancelled:.0f} | {live:.0f} / {queue:.0f} | "
         f"{summary['tokens']} | {wall1 + wall2:.1f} | {summary['tok_s']:.0f} |",
         "",
-        "| resident memory of the server | MB |",
+        "| resident memory of the server (its process and the engine's) | MB |",
         "|---|---|",
         *[f"| {when} | {mb:.0f} |" for when, mb in rss],
         f"| max over the run (sampled each second) | {max(samples or [float('nan')]):.0f} |",
