@@ -33,10 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_section  # noqa: E402
 from smollm2_decode import TEXT  # noqa: E402
 from smollm2_decode import ours as ours_decode  # noqa: E402
-
-from _results import write_section  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

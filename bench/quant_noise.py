@@ -21,10 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from smollm2_decode import TEXT  # noqa: E402
-
 from _results import write_section  # noqa: E402
 from conftest import compose_config  # noqa: E402
+from smollm2_decode import TEXT  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

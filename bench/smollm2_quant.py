@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_section  # noqa: E402
 from smollm2_decode import TEXT  # noqa: E402
 from smollm2_decode import ours as ours_decode  # noqa: E402  our artifact at S sequences
 from smollm2_decode import theirs as hf_decode  # noqa: E402  transformers eager at S sequences
-
-from _results import write_section  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
