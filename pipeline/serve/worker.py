@@ -151,6 +151,8 @@ def _child(artifact: str, conn, prefill_chunk: int | None) -> None:
     """The engine process: load the session, say ready, run the engine thread, serve the pipe."""
     from pipeline.quiet import filtered_stderr
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s (engine): %(message)s")
+
     try:
         with filtered_stderr():
             from pipeline.build.roles import EMBED, TARGET_STEP
