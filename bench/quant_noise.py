@@ -48,7 +48,7 @@ def main() -> None:
     from pipeline.build.plan import resolve_model
     from pipeline.models.methods import build_target
     from pipeline.models.tokenizer import load_tokenizer
-    from pipeline.quant import quantize
+    from pipeline.quant.apply import quantize
 
     rows = []
     for scheme in ["none", *args.schemes]:

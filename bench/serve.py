@@ -70,8 +70,9 @@ def engine_alone(artifact: str, texts: list[str], max_tokens: int, clients: int 
     no HTTP) through the same requests as the ``clients`` row: what the server adds is the difference."""
     from pipeline.runtime.sampling import SamplingParams
     from pipeline.runtime.session import Session
-    from pipeline.serve.engine import Engine, Request
+    from pipeline.serve.engine import Engine
     from pipeline.serve.metrics import Metrics
+    from pipeline.serve.request import Request
 
     session = Session(artifact)
     engine = Engine(session, Metrics(), max_queue=1024)

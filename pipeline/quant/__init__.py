@@ -12,7 +12,7 @@ time: the ``quant`` config group.
 
 The quantized eager model is the artifact's oracle (it computes what the ``.pte`` computes, up to
 rounding): XNNPACK stores a 4-bit weight's scales as bfloat16 (ExecuTorch's XNNPACK serialiser casts
-them), so the oracle's 4-bit scales are rounded to bfloat16 too (``round_scales_as_xnnpack``); with
+them), so the oracle's 4-bit scales are rounded to bfloat16 too (``apply.round_scales_as_xnnpack``); with
 float32 scales a single 4-bit linear differs from its ``.pte`` by 1e-3 of the output range, with
 bfloat16 ones by 2e-7. The unquantized model measures the scheme. ``report`` records, per tensor, how far the
 quantized weight is from the float one. A tied head is untied first: the embedding and the head are
@@ -242,49 +242,6 @@ def describe(quant_cfg) -> str:
     return scheme(quant_cfg.scheme).describe(quant_cfg)
 
 
-def quantize(model, quant_cfg, model_cfg) -> dict:
-    """Quantize ``model`` (the target, float32) in place as ``quant_cfg`` says; the report for the
-    manifest and build.json: the scheme, the group size and every quantized tensor's error."""
-    import torch
-    from torch import nn
-
-    chosen = scheme(quant_cfg.scheme)
-    if not chosen.quantized:
-        return {"scheme": chosen.name}
-    # every weight a scheme may quantize, as it was: the report's reference
-    floats = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-    if model.output is None:  # untie: the head becomes a linear of its own, quantized as the others
-        model.output = nn.Linear(model.args.dim, model.args.vocab_size, bias=False)
-        model.output.weight = nn.Parameter(floats["tok_embeddings"].clone(), requires_grad=False)
-        floats["output"] = floats["tok_embeddings"]
-    with torch.no_grad():
-        formats = chosen.apply(model, quant_cfg, model_cfg)
-        round_scales_as_xnnpack(model)
-    _drop_instance_reprs(model)
-    tensors = {name: {"format": formats[name], **error_stats(dequantized(model, name), floats[name])}
-               for name in formats}
-    return {"scheme": chosen.name, "group_size": chosen.group_size(quant_cfg),
-            "embedding": bool(quant_cfg.embedding), "describe": chosen.describe(quant_cfg), "reference": chosen.reference,
-            "tensors": tensors, "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
-
-
-def quantize_draft(draft, quant_cfg) -> dict:
-    """``quant.draft``: quantize a draft's own linears (float32) in place in the target's scheme; the
-    report's ``draft`` entry: what they became and every quantized tensor's error against its float weight."""
-    import torch
-    from torch import nn
-
-    chosen = scheme(quant_cfg.scheme)
-    floats = {name: m.weight.detach().clone() for name, m in draft.named_modules() if isinstance(m, nn.Linear)}
-    with torch.no_grad():
-        formats = chosen.apply_draft(draft, quant_cfg)
-        round_scales_as_xnnpack(draft)
-    _drop_instance_reprs(draft)
-    tensors = {name: {"format": formats[name], **error_stats(dequantized(draft, name), floats[name])} for name in formats}
-    return {"describe": f"the draft's own linears: {chosen.describe(quant_cfg)}", "tensors": tensors,
-            "max_relative_rms_error": max(t["relative_rms_error"] for t in tensors.values())}
-
-
 def _quantize_linears(model, quant_cfg, bits: int) -> dict[str, str]:
     """Every ``nn.Linear`` of ``model`` to torchao's 8-bit dynamic activations and ``bits``-bit weights."""
     import torch
@@ -310,44 +267,3 @@ def _quantize_float(model, quant_cfg, bits: int) -> dict[str, str]:
         model.tok_embeddings = QuantEmbedding.quantize(model.tok_embeddings.weight, bits, group or dim)
         formats["tok_embeddings"] = f"int{bits} {'g' + str(group) if group else 'per row'} (embedding_{'byte' if bits == 8 else '4bit'})"
     return formats
-
-
-def round_scales_as_xnnpack(model) -> int:
-    """Round the scales of every 4-bit linear weight to bfloat16, in place, as XNNPACK's qb4w / qc4w
-    kernels hold them (the integers are kept as they are); the oracle then computes with the weights
-    the ``.pte`` computes with. 8-bit weights keep float32 scales (qc8w). Returns the count rounded."""
-    import torch
-    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
-
-    rounded = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, IntxUnpackedToInt8Tensor) and weight.target_dtype == torch.int4:
-            weight.scale.copy_(weight.scale.to(torch.bfloat16).float())
-            rounded += 1
-    return rounded
-
-
-def dequantized(model, name: str):
-    """The weight of module ``name`` as the quantized model computes with it, in float."""
-    module = model.get_submodule(name)
-    if hasattr(module, "dequantize"):  # QuantEmbedding, gguf.OffsetLinear
-        return module.dequantize()
-    weight = module.weight
-    return weight.dequantize() if hasattr(weight, "dequantize") else weight.detach()
-
-
-def error_stats(got, want) -> dict:
-    """A quantized weight against its float reference."""
-    got, want = got.float(), want.float()
-    diff = got - want
-    rms = float(diff.pow(2).mean().sqrt())
-    return {"max_abs_error": float(diff.abs().max()), "rms_error": rms,
-            "relative_rms_error": rms / max(float(want.pow(2).mean().sqrt()), 1e-30), "bit_exact": bool(diff.abs().max() == 0)}
-
-
-def _drop_instance_reprs(model) -> None:
-    # torchao sets a bound extra_repr on each module it quantizes; the bound partial cannot be pickled
-    # (the stage cache saves the eager model with torch.save), and it only prints
-    for module in model.modules():
-        module.__dict__.pop("extra_repr", None)

@@ -17,7 +17,8 @@ from starlette.concurrency import run_in_threadpool
 
 from pipeline.errors import SessionError
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.serve import engine as eng
+from pipeline.serve import request as generation
+from pipeline.serve.engine import Overloaded
 from pipeline.serve.protocol import APIError, ChatRequest, CompletionRequest
 
 log = logging.getLogger("pipeline.serve")
@@ -87,7 +88,7 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
                            param="model", code="model_not_found")
 
-    def prepare(body, ids: list[int], images: list, default_max: int | None) -> eng.Request:
+    def prepare(body, ids: list[int], images: list, default_max: int | None) -> generation.Request:
         """Checks the request against the artifact and makes the engine's request (nothing queued yet)."""
         if bad := body.unsupported():
             raise APIError(400, f"unsupported parameters: {', '.join(bad)}", param=bad[0].split("=")[0])
@@ -111,16 +112,16 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         else:
             logprobs = body.logprobs
         deadline = time.monotonic() + settings.request_timeout if settings.request_timeout else None
-        return eng.Request(ids, max_tokens, params, body.stops(), logprobs, images, deadline=deadline)
+        return generation.Request(ids, max_tokens, params, body.stops(), logprobs, images, deadline=deadline)
 
-    async def run(http: Request, body, request: eng.Request, render):
+    async def run(http: Request, body, request: generation.Request, render):
         """Queue ``request``; answer with one JSON body or a stream of events (``render`` makes the chunks)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
         try:
             engine.submit(request)
-        except eng.Overloaded as err:
+        except Overloaded as err:
             engine.count_rejected()
             raise APIError(503, f"the server is at capacity ({err}); retry later", type="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -152,7 +153,7 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
                                                   "code": event.code}})
                         else:
                             line(f"finish_reason {event.finish_reason}")
-                            yield _sse(render.chunk(rid, eng.Event("tokens"), event.finish_reason))
+                            yield _sse(render.chunk(rid, generation.Event("tokens"), event.finish_reason))
                             if include_usage:
                                 yield _sse(render.usage_chunk(rid, event.usage))
                         yield "data: [DONE]\n\n"

@@ -22,89 +22,19 @@ the session is as it was), and the loop goes on. The HTTP side talks to the engi
 """
 
 import collections
-import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 from pipeline.errors import SessionError
-from pipeline.runtime.sampling import SamplingParams, policy, top_logprobs
+from pipeline.runtime.sampling import policy, top_logprobs
+from pipeline.serve.request import Event, Request, Token
 
 log = logging.getLogger("pipeline.serve")
 
 
 class Overloaded(Exception):
     """The queue is full: the request was refused before any work."""
-
-
-@dataclass
-class Token:
-    """One generated token, with its log-probability and the most likely alternatives when asked."""
-
-    id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class Event:
-    """What the engine tells a request's client: ``tokens`` (text so far), then ``done`` (finish_reason,
-    usage) or ``error`` (status, message, code)."""
-
-    kind: str  # tokens | done | error
-    tokens: list[Token] = field(default_factory=list)
-    text: str = ""  # the new text these tokens give (after stop-string holding)
-    finish_reason: str | None = None
-    usage: dict | None = None
-    status: int = 500
-    message: str = ""
-    code: str | None = None
-
-
-@dataclass
-class Request:
-    """One generation: its prompt as token ids, its images, how it samples and when it stops."""
-
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the k most likely
-    images: list = field(default_factory=list)  # PIL images, spliced over the prompt's placeholder tokens in order
-    emit: object = None  # callable(Event), called from the engine thread
-    deadline: float | None = None  # time.monotonic() past which the request ends with a timeout
-    id: int = field(default_factory=itertools.count().__next__)
-    # engine-side state
-    cancelled: bool = False
-    finished: bool = False
-    fed: int = 0  # prompt tokens fed so far
-    generated: list[int] = field(default_factory=list)
-    text: str = ""  # the text sent so far
-    arrived: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    proposed: int = 0  # speculative proposals the target verified for this request
-    accepted: int = 0  # ... and kept
-    rounds: int = 0
-    chooser: object = None
-
-    def cancel(self) -> None:
-        """The client went away: the engine releases the sequence at its next iteration (thread-safe: a flag)."""
-        self.cancelled = True
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.prompt)
-
-    def usage(self) -> dict:
-        usage = {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.generated),
-                 "total_tokens": len(self.prompt) + len(self.generated)}
-        if self.rounds:
-            usage["speculative"] = {"rounds": self.rounds, "proposed": self.proposed, "accepted": self.accepted,
-                                    "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                                    "tokens_per_round": len(self.generated) / self.rounds}
-        return usage
 
 
 class Engine:
@@ -118,7 +48,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.max_queue = max_queue
-        self.eos = eos if eos is not None else _eos_ids(session)
+        eos_id = session.tokenizer.eos_token_id
+        self.eos = eos if eos is not None else ({eos_id} if eos_id is not None else set())
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}
         self.block = session.speculation.block_size if session.speculation else 0
@@ -311,19 +242,8 @@ class Engine:
                 finish = "length"
                 break
         request.last_token_at = now
-        ids = [t for t in request.generated if t not in self.eos]
-        full = decode(ids, skip_special_tokens=True)
-        cut = _first_stop(full, request.stop, len(request.text))
-        if cut is not None:
-            full, finish = full[:cut], "stop"
-            safe = len(full)
-        else:
-            # hold back text that may still become a stop string, and an unfinished UTF-8 character
-            safe = len(full) - _stop_prefix(full, request.stop) if finish is None else len(full)
-            if finish is None and full.endswith("\ufffd"):
-                safe = min(safe, len(full) - 1)
-        new = full[len(request.text): max(safe, len(request.text))]
-        request.text += new
+        new, finish = request.release(decode([t for t in request.generated if t not in self.eos], skip_special_tokens=True),
+                                      finish)
         request.emit(Event("tokens", out, new))
         if finish is not None:
             self._finish(request, finish)
@@ -344,26 +264,3 @@ class Engine:
             request.emit(Event("error", status=status, message=message, code=code))
         elif outcome != "cancelled":
             request.emit(Event("done", finish_reason=outcome, usage=request.usage()))
-
-
-def _eos_ids(session) -> set[int]:
-    tokenizer = session.tokenizer
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    return ids
-
-
-def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
-    """Where the first stop string starts in ``text`` (searching from just before what was sent), or None."""
-    found = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
-    return min(found) if found else None
-
-
-def _stop_prefix(text: str, stops: list[str]) -> int:
-    """The length of the longest end of ``text`` that begins a stop string (held back from the client)."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

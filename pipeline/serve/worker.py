@@ -21,7 +21,8 @@ import multiprocessing
 import threading
 
 from pipeline.errors import SessionError
-from pipeline.serve.engine import Event, Overloaded, Request
+from pipeline.serve.engine import Overloaded
+from pipeline.serve.request import Event, Request
 
 log = logging.getLogger("pipeline.serve")
 FIELDS = ("prompt", "max_tokens", "params", "stop", "logprobs", "images", "deadline", "arrived")

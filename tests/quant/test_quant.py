@@ -16,7 +16,7 @@ from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.args import model_args
 from pipeline.models.methods import build_target
 from pipeline.models.transformer import build_model
-from pipeline.quant import dequantized, quantize
+from pipeline.quant.apply import dequantized, quantize
 from test_loaders import write_llama_gguf
 
 # tiny_flat with a feed-forward width that is a multiple of 32 (XNNPACK's 4-bit groups)
@@ -309,7 +309,7 @@ def quantized_draft(build_dir):
 def _eager_quantized(cfg):
     """The export's eager models: the target and the draft quantized as ``cfg`` says."""
     from pipeline.models.methods import build_draft_model
-    from pipeline.quant import quantize_draft
+    from pipeline.quant.apply import quantize_draft
 
     target, _ = build_target(cfg.model, None)
     quantize(target, cfg.quant, cfg.model)

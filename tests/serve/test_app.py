@@ -237,7 +237,7 @@ def test_the_queue_limit_refuses_and_timeouts_end_requests_cleanly(chat_artifact
             t.join()
         ends = [results[i][-2] for i in range(5)]  # the last payload before [DONE]
         assert all(r[-1] == "[DONE]" for r in results.values())
-        assert [e["error"]["code"] for e in ends].count("timeout") >= 4
+        assert [e.get("error", {}).get("code") for e in ends].count("timeout") >= 4, ends
         assert s.metric("pipeline_live_sequences") == 0 and s.metric("pipeline_queue_depth") == 0
         assert s.metric('pipeline_requests_total{outcome="rejected"}') == 1
         assert s.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200

@@ -6,8 +6,9 @@ queue limit before any work, and greedy text equal to the Session's own."""
 import pytest
 
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.serve.engine import Engine, Overloaded, Request
+from pipeline.serve.engine import Engine, Overloaded
 from pipeline.serve.metrics import Metrics
+from pipeline.serve.request import Request
 from server_fixtures import chat_artifact  # noqa: F401
 
 

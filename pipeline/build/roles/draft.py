@@ -90,7 +90,7 @@ class Draft(Role):
         draft = build_draft_model(cfg.draft, built[TARGET].args).to(getattr(torch, cfg.model.dtype))
         if not cfg.quant.draft:  # its own linears stay in float; its embedding and head are the target's
             return draft, {}
-        from pipeline.quant import quantize_draft
+        from pipeline.quant.apply import quantize_draft
 
         report = quantize_draft(draft, cfg.quant)
         print(f"  quantized {len(report['tensors'])} draft tensors: {report['describe']} (max relative rms error "

@@ -74,7 +74,8 @@ class Target(Role):
         import torch
 
         from pipeline.models.methods import build_target
-        from pipeline.quant import quantize, scheme
+        from pipeline.quant import scheme
+        from pipeline.quant.apply import quantize
 
         model, tokenizer = build_target(cfg.model, workdir)
         model = model.to(getattr(torch, cfg.model.dtype))

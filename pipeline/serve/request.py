@@ -1,0 +1,112 @@
+"""A request as the engine holds it (its prompt, sampling, stop strings, the state of its generation)
+and what the engine tells its client (``Event``s of ``Token``s); the text a request may release as
+tokens arrive (held back while it may still start a stop string)."""
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pipeline.runtime.sampling import SamplingParams
+
+
+@dataclass
+class Token:
+    """One generated token, with its log-probability and the most likely alternatives when asked."""
+
+    id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Event:
+    """What the engine tells a request's client: ``tokens`` (text so far), then ``done`` (finish_reason,
+    usage) or ``error`` (status, message, code)."""
+
+    kind: str  # tokens | done | error
+    tokens: list[Token] = field(default_factory=list)
+    text: str = ""  # the new text these tokens give (after stop-string holding)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    status: int = 500
+    message: str = ""
+    code: str | None = None
+
+
+@dataclass
+class Request:
+    """One generation: its prompt as token ids, its images, how it samples and when it stops."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the k most likely
+    images: list = field(default_factory=list)  # PIL images, spliced over the prompt's placeholder tokens in order
+    emit: object = None  # callable(Event), called from the engine thread
+    deadline: float | None = None  # time.monotonic() past which the request ends with a timeout
+    id: int = field(default_factory=itertools.count().__next__)
+    # engine-side state
+    cancelled: bool = False
+    finished: bool = False
+    fed: int = 0  # prompt tokens fed so far
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # the text sent so far
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    proposed: int = 0  # speculative proposals the target verified for this request
+    accepted: int = 0  # ... and kept
+    rounds: int = 0
+    chooser: object = None
+
+    def cancel(self) -> None:
+        """The client went away: the engine releases the sequence at its next iteration (thread-safe: a flag)."""
+        self.cancelled = True
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    def release(self, full: str, finish: str | None) -> tuple[str, str | None]:
+        """The text to send now, given the whole text of the tokens so far (``full``) and how the tokens
+        ended (``finish``: None while going on): cut at the first stop string (then finish is ``stop``),
+        else all of it once finished, else all but an end that may still become a stop string and an
+        unfinished UTF-8 character. Records what was sent; returns (new text, finish)."""
+        cut = _first_stop(full, self.stop, len(self.text))
+        if cut is not None:
+            full, finish = full[:cut], "stop"
+            safe = len(full)
+        elif finish is not None:
+            safe = len(full)
+        else:
+            safe = min(len(full) - _stop_prefix(full, self.stop), len(full) - full.endswith("\ufffd"))
+        new = full[len(self.text): max(safe, len(self.text))]
+        self.text += new
+        return new, finish
+
+    def usage(self) -> dict:
+        usage = {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.generated),
+                 "total_tokens": len(self.prompt) + len(self.generated)}
+        if self.rounds:
+            usage["speculative"] = {"rounds": self.rounds, "proposed": self.proposed, "accepted": self.accepted,
+                                    "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                                    "tokens_per_round": len(self.generated) / self.rounds}
+        return usage
+
+
+def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
+    """Where the first stop string starts in ``text`` (searching from just before what was sent), or None."""
+    found = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
+    return min(found) if found else None
+
+
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """The length of the longest end of ``text`` that begins a stop string (held back from the client)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
