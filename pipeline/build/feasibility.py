@@ -10,7 +10,7 @@ import os
 
 from pipeline.errors import ConfigError
 from pipeline.kv.layouts import DTYPE_BYTES, KVLayout
-from pipeline.models.args import ModelArgs
+from pipeline.models.args import MLP_ACTIVATIONS, ROPE_TYPES, ModelArgs
 
 GB = 1e9
 
@@ -53,7 +53,8 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_model(args: ModelArgs) -> None:
+def check_model(args: ModelArgs, context: int) -> None:
+    """The decoder's settings, for an artifact whose sequences reach ``context`` positions."""
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer")
@@ -73,6 +74,28 @@ def check_model(args: ModelArgs) -> None:
     if "R" in (args.layer_pattern * args.n_layers)[: args.n_layers] and args.sliding_window < 1:
         raise ConfigError(f"model.layer_pattern={args.layer_pattern} has ring layers but "
                           f"model.sliding_window={args.sliding_window}; give ring layers a window of at least 1")
+    if args.mlp_act not in MLP_ACTIVATIONS:
+        raise ConfigError(f"model.mlp_act={args.mlp_act} is not supported; choose one of {', '.join(MLP_ACTIVATIONS)}")
+    if set(args.rope_layers) - set("01"):
+        raise ConfigError(f"model.rope_layers={args.rope_layers!r} must be digits 1 (RoPE) and 0 (none), e.g. 1110")
+    check_rope(args, context)
+
+
+def check_rope(args: ModelArgs, context: int) -> None:
+    s = args.rope_scaling
+    if s.type not in ROPE_TYPES:
+        raise ConfigError(f"model.rope_scaling.type={s.type} is not supported; choose one of {', '.join(ROPE_TYPES)}")
+    if args.rotary_dim % 2 or args.rotary_dim > args.head_dim:
+        raise ConfigError(f"model.rope_dim={args.rope_dim} must be even and at most model.head_dim={args.head_dim}")
+    if s.type in ("llama3", "yarn", "longrope", "dynamic") and s.original_context <= 0:
+        raise ConfigError(f"model.rope_scaling.type={s.type} needs model.rope_scaling.original_context (> 0)")
+    if s.type == "longrope" and len(s.short_factor or ()) != args.rotary_dim // 2:
+        raise ConfigError(f"model.rope_scaling.short_factor has {len(s.short_factor or ())} values; longrope needs one "
+                          f"per rotated pair ({args.rotary_dim // 2})")
+    if s.type in ("dynamic", "longrope") and context > s.original_context:
+        raise ConfigError(f"model.rope_scaling.type={s.type} changes its frequencies beyond original_context="
+                          f"{s.original_context} positions, which a static artifact cannot; kv.capacity={context} "
+                          f"reaches further: lower it to {s.original_context} or less")
 
 
 def check_draft(draft, target: ModelArgs, draft_cfg) -> None:

@@ -1,7 +1,31 @@
 """The decoder's settings, free of torch: the config schema and the feasibility checks read them
 before anything heavy is imported."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")  # transformers' rope_type names
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama) | GeGLU with tanh-approximated GELU (Gemma)
+
+
+@dataclass
+class RopeScaling:
+    """RoPE beyond a base frequency (``models/rope.py``), in the names of transformers' ``rope_parameters``.
+
+    Static only: ``dynamic`` is plain RoPE up to ``original_context`` and ``longrope`` uses its short
+    factors up to it; a build whose context goes beyond is refused (the frequencies would depend on the
+    sequence's length)."""
+
+    type: str = "default"  # default | linear | dynamic | llama3 | yarn | longrope
+    factor: float = 1.0  # linear, dynamic, llama3, yarn; longrope: 0 = max_context / original_context
+    original_context: int = 0  # the context the model was pretrained on (original_max_position_embeddings)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims
+    attention_factor: float = 0.0  # yarn, longrope: cos and sin scaled by it; 0: derived from factor
+    short_factor: list[float] | None = None  # longrope: per rotated pair
+    long_factor: list[float] | None = None  # longrope (read and kept; used only beyond original_context)
 
 
 @dataclass(frozen=True)
@@ -36,10 +60,31 @@ class ModelArgs:
     attn_scale: float = 0.0  # softmax scale; 0: 1 / sqrt(head_dim)
     logit_multiplier: float = 1.0
     logit_soft_cap: float = 0.0  # > 0: logits = cap * tanh(logits * multiplier / cap)
+    ffn_dim_multiplier: float = 0.0  # Muse Glimmer: hidden_dim 0 is int(ffn_dim_multiplier * dim) (families.py)
+    # --- RoPE variants (Llama 3.x, Phi-3/4, Gemma 3, SmolLM3) ---
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    rope_dim: int = 0  # rotated dims of each head, the first ones (partial rotary: Phi-3/4); 0: head_dim
+    rope_local_base: float = 0.0  # > 0: ring layers rotate at this base, unscaled (Gemma 3); 0: as flat layers
+    rope_layers: str = ""  # per layer, 1: RoPE, 0: none (SmolLM3's no_rope_layers), repeated; "": every layer
+    # --- Gemma 3 ---
+    mlp_act: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU)
+    embed_scale: bool = False  # token embeddings times sqrt(dim)
 
     def __post_init__(self):
         if not self.head_dim and self.n_heads > 0:
             self.head_dim = self.dim // self.n_heads
+        if not isinstance(self.rope_scaling, RopeScaling):  # a mapping: the config's section
+            self.rope_scaling = RopeScaling(**{k: list(v) if k in ("short_factor", "long_factor") and v is not None else v
+                                               for k, v in self.rope_scaling.items()})
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def layer_has_rope(self, layer_id: int) -> bool:
+        if self.flat_layers_nope and self.layer_kv()[layer_id].window == 0:
+            return False
+        return not self.rope_layers or (self.rope_layers * self.n_layers)[layer_id] == "1"
 
     def layer_kv(self) -> list[LayerKV]:
         kinds = (self.layer_pattern * self.n_layers)[: self.n_layers]

@@ -2,7 +2,9 @@
 
 RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings and
 sliding-window (ring) layers by pattern; the families' options (``models/families.py``): q/k/v
-biases (Qwen2), per-head q/k RMSNorm (Qwen3), a head dim of its own. Tokens of every sequence in a step
+biases (Qwen2), per-head q/k RMSNorm (Qwen3), a head dim of its own, RoPE scaling, partial rotary and
+layers without RoPE (``models/rope.py``; Llama 3.x, Phi-3/4, SmolLM3), GeGLU, scaled embeddings and a RoPE
+base per layer kind (Gemma 3), sandwich norms (Gemma 3, Muse Glimmer). Tokens of every sequence in a step
 share one token axis (B = 1); which sequence a token belongs to is not a model
 input: it reaches the KV store through step buffers added by ``lower_kv``.
 """
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.kv.op import default_scale
-from pipeline.models.args import ModelArgs
+from pipeline.models.args import ModelArgs, RopeScaling
+from pipeline.models.rope import frequencies
 
 
 def _f32(x: Tensor) -> Tensor:
@@ -45,8 +48,12 @@ def _mean_square(x: Tensor) -> Tensor:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    # x: [1, T, H, D]  cos/sin: [T, D/2]; rotate halves (Llama's rotate_half form) or adjacent
-    # pairs (2i, 2i+1: llama.cpp's normal mode, Muse Glimmer)
+    # x: [1, T, H, D]  cos/sin: [T, R/2] with R <= D rotated dims (the first R; the rest pass: Phi-3's
+    # partial rotary); rotate halves (Llama's rotate_half form) or adjacent pairs (2i, 2i+1: llama.cpp's
+    # normal mode, Muse Glimmer)
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat([rope(x[..., :rotated], cos, sin, interleaved), x[..., rotated:]], dim=-1)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     x32 = _f32(x)
     if interleaved:
@@ -70,8 +77,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.qk_norm_weight) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.qk_norm_weight) if args.qk_norm else None
         self.wg = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False) if args.attn_gate else None
-        layer = args.layer_kv()[layer_id]
-        self.use_rope = not (args.flat_layers_nope and layer.window == 0)
+        self.use_rope = args.layer_has_rope(layer_id)
         self.rope_interleaved = args.rope_interleaved
         self.scale = args.attn_scale or default_scale(args.head_dim)
 
@@ -101,9 +107,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.gelu = args.mlp_act == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = F.gelu(self.w1(x), approximate="tanh") if self.gelu else F.silu(self.w1(x))
+        return self.w2(gate * self.w3(x))
 
 
 class Block(nn.Module):
@@ -113,11 +121,13 @@ class Block(nn.Module):
         self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
-        # sandwich norms (Muse Glimmer): the branch outputs are normalised before the residual adds
+        # sandwich norms (Gemma 3, Muse Glimmer): the branch outputs are normalised before the residual adds
+        self.local_rope = args.rope_local_base > 0 and args.layer_kv()[layer_id].window > 0
         self.post_attn_norm = RMSNorm(args.dim, args.post_norm_eps) if args.post_norms else nn.Identity()
         self.post_ffn_norm = RMSNorm(args.dim, args.post_norm_eps) if args.post_norms else nn.Identity()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rotations: dict, position: Tensor) -> Tensor:
+        cos, sin = rotations["local" if self.local_rope else "global"]
         h = x + self.post_attn_norm(self.attention(self.attention_norm(x), cos, sin, position))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
@@ -131,13 +141,30 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        inv_freq = 1.0 / args.rope_base ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim)
+        # RoPE per layer kind: global (flat layers, and ring layers unless they have a base of their own)
+        inv_freq, self.rope_factor = frequencies(args.rope_base, args.rotary_dim, args.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if args.rope_local_base > 0:
+            local, _ = frequencies(args.rope_local_base, args.rotary_dim, RopeScaling())
+            self.register_buffer("local_inv_freq", local, persistent=False)
 
     def embed(self, tokens: Tensor) -> Tensor:
         # tokens: [T] -> [1, T, dim]
         x = self.tok_embeddings(tokens)[None]
+        if self.args.embed_scale:
+            x = x * self.args.dim**0.5
         return self.embed_norm(x) if self.embed_norm is not None else x
+
+    def rotations(self, positions: Tensor) -> dict:
+        """{layer kind: (cos, sin) [T, rotary_dim / 2]} at ``positions``: computed once per step for all layers."""
+        out = {}
+        for kind, inv_freq, factor in (("global", self.inv_freq, self.rope_factor),
+                                       ("local", getattr(self, "local_inv_freq", None), 1.0)):
+            if inv_freq is not None:
+                angles = positions.float()[:, None] * inv_freq[None, :]
+                cos, sin = torch.cos(angles), torch.sin(angles)
+                out[kind] = (cos * factor, sin * factor) if factor != 1.0 else (cos, sin)
+        return out
 
     def hidden(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         # embeddings: [1, T, dim]  positions: [T] -> normed hidden [T, dim]
@@ -146,11 +173,10 @@ class Transformer(nn.Module):
     def hidden_and_taps(self, embeddings: Tensor, positions: Tensor, taps) -> tuple[Tensor, Tensor | None]:
         """The normed hidden [T, dim] and the outputs of layers ``taps`` concatenated, [T, len(taps) * dim]
         (a DFlash draft's context features; None without taps)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = torch.cos(angles), torch.sin(angles)
+        rotations = self.rotations(positions)
         h, tapped = embeddings, {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, positions)
+            h = layer(h, rotations, positions)
             if i in taps:
                 tapped[i] = h[0]
         return self.norm(h)[0], torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -37,14 +37,17 @@ class Target(Role):
             from pipeline.models.tokenizer import vocabulary_size
 
             impose({"vocab_size": vocabulary_size(cfg.model.tokenizer)}, f"model.tokenizer={cfg.model.tokenizer}")
-        impose(family(cfg.model.family).options, f"model.family={cfg.model.family}")
+        fam = family(cfg.model.family)
+        impose(fam.options, f"model.family={cfg.model.family}")
+        if fam.derive is not None:  # settings the family derives where the config leaves them 0
+            cfg.model.merge_with(fam.derive(cfg.model))
 
     def args(self, cfg, parts):
         from pipeline.build.feasibility import check_model
         from pipeline.models.args import model_args
 
         args = model_args(cfg.model)
-        check_model(args)
+        check_model(args, cfg.kv.capacity)
         return args
 
     def kv_rule(self, cfg, part, parts):

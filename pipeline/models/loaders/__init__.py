@@ -10,10 +10,6 @@ from pathlib import Path
 
 from pipeline.errors import ConfigError
 
-# the ModelArgs fields a checkpoint decides (anything else comes from the preset)
-IMPLIED = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps",
-           "rope_base", "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window", "layer_pattern")
-
 
 def _kind(path: Path) -> str:
     if not path.exists():
@@ -45,7 +41,7 @@ def read_weights(path: str, args, family) -> dict:
     if _kind(path) == "hf":
         from pipeline.models.loaders import hf
 
-        return hf.read_weights(path, args)
+        return hf.read_weights(path, args, family.name)
     from pipeline.models.loaders import gguf
 
     return gguf.read_weights(path, args, family)

@@ -1,11 +1,17 @@
 """Hugging Face checkpoints: ``config.json`` and safetensors (one file, or shards listed by
-``model.safetensors.index.json``), read with the ``safetensors`` library."""
+``model.safetensors.index.json``), read with the ``safetensors`` library.
+
+``config.json`` is read by the field names ``transformers`` uses (``hf_config.py``); a field the reader
+does not understand is refused, naming it. Tensors are renamed by a table per family; Phi-3's fused
+projections are split and Gemma's ``(1 + w)`` norms folded into their weights on the way in.
+"""
 
 import json
 from pathlib import Path
 
 from pipeline.errors import BuildError, ConfigError
 from pipeline.models.families import family_of
+from pipeline.models.loaders.hf_config import settings_of
 from pipeline.models.loaders.names import rename
 
 # Hugging Face tensor name -> ours ({i}: layer)
@@ -25,10 +31,21 @@ NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{}.feed_forward.w3.weight"),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{}.feed_forward.w2.weight"),
 ]
+# Gemma 3 norms around both branches: its post_attention_layernorm is the attention's output norm
+GEMMA3_NAMES = [
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{}.post_attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{}.ffn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{}.post_ffn_norm.weight"),
+] + NAMES
+# Phi-3: q, k, v in one projection and the MLP's gate and up in another, split in `_split`
+PHI3_NAMES = [
+    (r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.weight", "layers.{}.attention.wqkv.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "layers.{}.feed_forward.w13.weight"),
+] + NAMES
 
 
-def our_name(name: str) -> str | None:
-    return rename(NAMES, name)
+def our_name(name: str, family: str = "llama") -> str | None:
+    return rename({"gemma3": GEMMA3_NAMES, "phi3": PHI3_NAMES}.get(family, NAMES), name)
 
 
 def read_config(path: Path) -> tuple[str, dict]:
@@ -39,23 +56,7 @@ def read_config(path: Path) -> tuple[str, dict]:
         raise ConfigError(f"{where}: config.json is not valid JSON ({err})") from None
     archs = config.get("architectures") or ["(none)"]
     fam = family_of("hf", archs[0], where)
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{where}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported yet")
-    if config.get("use_sliding_window"):
-        raise ConfigError(f"{where}: use_sliding_window=true is not supported yet")
-    heads = config["num_attention_heads"]
-    settings = {
-        "vocab_size": config["vocab_size"], "dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-        "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or config["hidden_size"] // heads, "hidden_dim": config["intermediate_size"],
-        "norm_eps": float(config["rms_norm_eps"]), "rope_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "sliding_window": 0, "layer_pattern": "F",
-        **fam.options,
-    }
-    if config.get("attention_bias") and not settings["qkv_bias"]:
-        raise ConfigError(f"{where}: attention_bias=true on a {fam.name} model is not supported")
-    return fam.name, settings
+    return fam.name, {**settings_of(config, fam.name, f"{where}: config.json"), **fam.options}
 
 
 def safetensor_files(path: Path, setting: str = "model.checkpoint") -> list[Path]:
@@ -69,7 +70,7 @@ def safetensor_files(path: Path, setting: str = "model.checkpoint") -> list[Path
     return files
 
 
-def read_weights(path: Path, args) -> dict:
+def read_weights(path: Path, args, family: str = "llama") -> dict:
     from safetensors import SafetensorError, safe_open
 
     weights = {}
@@ -80,12 +81,32 @@ def read_weights(path: Path, args) -> dict:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    ours = our_name(name)
+                    ours = our_name(name, family)
                     if ours is None:
                         raise BuildError(f"model.checkpoint={path}: {file.name} has tensor {name}, which no model of ours has")
                     if ours == "output.weight" and args.tie_embeddings:
                         continue  # tied: the head is the embedding (some writers save it anyway)
-                    weights[ours] = f.get_tensor(name).float()
+                    weights.update(_split(ours, f.get_tensor(name).float(), args, family, f"model.checkpoint={path}"))
         except SafetensorError as err:
             raise BuildError(f"model.checkpoint={path}: {file.name} cannot be read ({err})") from None
     return weights
+
+
+def _split(ours: str, tensor, args, family: str, where: str) -> dict:
+    """{our name: tensor} for one checkpoint tensor: fused projections split, Gemma's norms as 1 + w."""
+    fused = {"wqkv.weight": args.n_heads * args.head_dim + 2 * args.n_kv_heads * args.head_dim,
+             "w13.weight": 2 * args.hidden_dim}
+    for suffix, rows in fused.items():
+        if ours.endswith(suffix) and tensor.shape[0] != rows:
+            raise BuildError(f"{where}: tensor {ours.removesuffix(suffix)}{suffix} (fused) has {tensor.shape[0]} rows, the model "
+                             f"expects {rows}")
+    if ours.endswith("wqkv.weight"):
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        stem = ours.removesuffix("wqkv.weight")
+        return dict(zip((f"{stem}wq.weight", f"{stem}wk.weight", f"{stem}wv.weight"), tensor.split([q, kv, kv]), strict=True))
+    if ours.endswith("w13.weight"):
+        stem = ours.removesuffix("w13.weight")
+        return dict(zip((f"{stem}w1.weight", f"{stem}w3.weight"), tensor.split([args.hidden_dim, args.hidden_dim]), strict=True))
+    if family == "gemma3" and "norm" in ours:  # Gemma's RMSNorm scales by (1 + w), computed in float32 as here
+        return {ours: 1.0 + tensor}
+    return {ours: tensor}
