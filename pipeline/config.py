@@ -50,7 +50,7 @@ GPU_RUNTIMES = {
 @dataclass
 class ModelConfig(ModelArgs):
     name: str = MISSING
-    family: str = "llama"  # models/families.py: llama | qwen2 | qwen3
+    family: str = "llama"  # models/families.py: llama | mistral | qwen2 | qwen3 | gemma3 | phi3 | smollm3 | muse_glimmer
     # a Hugging Face directory or a .gguf file; null: random weights from `seed`. The settings it
     # implies (widths, heads, layers, ...) replace the preset's; a contradicting override is an error
     checkpoint: str | None = None
@@ -79,7 +79,9 @@ class DraftConfig:
     norm_eps: float = 1e-6
     rope_base: float = 10000.0
     seed: int = 1  # weights random from this seed, unless a checkpoint is given
-    checkpoint: str | None = None  # a DFlash checkpoint directory (config.json + safetensors)
+    # a DFlash checkpoint: a directory (config.json + safetensors, dflash's layout) or a .gguf (ExecuTorch's
+    # Muse Glimmer draft: dflash.* metadata); the settings it implies replace these
+    checkpoint: str | None = None
 
 
 @dataclass
@@ -98,6 +100,9 @@ class VisionConfig(VisionArgs):
     adapter_dim: int = 48
     pos_grid: int = 8
     rope_theta: float = 10000.0
+    # muse_glimmer: an mmproj GGUF (ExecuTorch's layout, models/loaders/glimmer_vision.py); null: random
+    # from `seed`. The sizes it implies replace the preset's; a contradicting override is an error
+    checkpoint: str | None = None
 
 
 @dataclass

@@ -147,6 +147,9 @@ def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     for role in ROLES.values():
         if role.present(cfg):
             role.impose(cfg, given)
+        elif cfg[role.section].get("checkpoint"):
+            raise ConfigError(f"{role.section}.checkpoint={cfg[role.section].checkpoint} is set but {role.section}=none: "
+                              "choose one of its presets to build it (conf/" + role.section + "/), or drop the checkpoint")
     return cfg
 
 

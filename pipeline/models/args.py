@@ -124,6 +124,10 @@ class DraftArgs:
     rope_interleaved: bool = False  # both references rotate halves (NEOX)
 
     @property
+    def mlp_act(self) -> str:
+        return "silu"  # SwiGLU (transformer.FeedForward reads it)
+
+    @property
     def sliding_window(self) -> int:
         return 0
 

@@ -170,6 +170,10 @@ def glimmer_config(a: GlimmerVisionArgs):
         rms_norm_eps=a.rms_norm_eps)
 
 
+# the host inputs that depend only on the image size (and the position table), kept as buffers
+HOST_INPUTS = ("pos_emb", "cos_2d", "sin_2d", "sparse_perm", "inv_perm", "global_mask", "sparse_mask", "pixel_perm")
+
+
 class GlimmerImageEncoder(nn.Module):
     """Muse Glimmer's tower as the artifact's ``vision_encoder`` for one image size: the host inputs
     that depend only on the size (interpolated positions, 2D RoPE, the tile permutation, the masks,
@@ -178,19 +182,30 @@ class GlimmerImageEncoder(nn.Module):
 
     def __init__(self, a: GlimmerVisionArgs):
         super().__init__()
-        from executorch.examples.models.muse_glimmer.vision.precompute import precompute_vision_inputs
-
         step = a.patch_size * a.downsample_factor
         if a.image_size % step:
             raise ValueError(f"vision.image_size={a.image_size} must be a multiple of patch_size x downsample = {step}")
         self.args = a
         self.encoder = GlimmerVisionEncoder(a)
         self.pos_embed_table = nn.Parameter(torch.randn(a.pos_grid**2, a.latent_dim))
+        for name, value in self._host_inputs(self.pos_embed_table.data).items():
+            self.register_buffer(name, value, persistent=False)
+
+    def _host_inputs(self, table: Tensor) -> dict[str, Tensor]:
+        from executorch.examples.models.muse_glimmer.vision.precompute import precompute_vision_inputs
+
+        a = self.args
         with torch.no_grad():
-            inputs = precompute_vision_inputs(torch.zeros(3, a.image_size, a.image_size), self.pos_embed_table.data,
-                                              glimmer_config(a))
-        for name in ("pos_emb", "cos_2d", "sin_2d", "sparse_perm", "inv_perm", "global_mask", "sparse_mask", "pixel_perm"):
-            self.register_buffer(name, getattr(inputs, name).clone(), persistent=False)
+            inputs = precompute_vision_inputs(torch.zeros(3, a.image_size, a.image_size), table, glimmer_config(a))
+        return {name: getattr(inputs, name).clone() for name in HOST_INPUTS}
+
+    def set_position_table(self, table: Tensor) -> None:
+        """A loaded position table [pos_grid^2, latent_dim] (float32): kept, and the buffers computed
+        from it (the interpolated positions) computed again, in their dtypes."""
+        with torch.no_grad():
+            self.pos_embed_table.copy_(table)
+            for name, value in self._host_inputs(table.float()).items():
+                getattr(self, name).copy_(value)
 
     def forward(self, patches: Tensor) -> Tensor:
         return self.encoder(patches, self.pos_emb, self.cos_2d, self.sin_2d, self.sparse_perm, self.inv_perm,

@@ -63,15 +63,26 @@ def programs_recipe(build: BuildPlan):
     return functools.partial(rebuild_programs, config)
 
 
-def _text_prompts(scripts: list[Script], prompts: list[str], session: Session) -> None:
-    """The episode's prompts as text (``validate.prompts``, cycled), tokenized by the artifact's tokenizer."""
+def _text_prompts(scripts: list[Script], prompts: list[str], session: Session) -> bool:
+    """The episode's prompts as text (``validate.prompts``, cycled), tokenized by the artifact's tokenizer; a chat
+    model's (its tokenizer has a chat template) each as a user's message, templated as a server would. Returns
+    whether the template was used."""
+    tokenizer = session.tokenizer
+    chat = bool(getattr(tokenizer, "chat_template", None))
     for i, s in enumerate(scripts):
         s.text = prompts[i % len(prompts)]
-        s.prompt = session.tokenizer(s.text).input_ids
+        if chat:
+            templated = tokenizer.apply_chat_template([{"role": "user", "content": s.text}], tokenize=False,
+                                                      add_generation_prompt=True)
+            s.prompt = tokenizer(templated, add_special_tokens=False).input_ids
+        else:
+            s.prompt = tokenizer(s.text).input_ids
         end = len(s.prompt) + s.decode_steps
         if session.max_length is not None and end > session.max_length:
-            raise ValidationFailed(f"validate.prompts[{i % len(prompts)}] is {len(s.prompt)} tokens; with "
-                                   f"{s.decode_steps} decode steps it passes kv.capacity={session.max_length}")
+            raise ValidationFailed(f"validate.prompts[{i % len(prompts)}] is {len(s.prompt)} tokens"
+                                   f"{' (chat-templated)' if chat else ''}; with {s.decode_steps} decode steps it "
+                                   f"passes kv.capacity={session.max_length}")
+    return chat
 
 
 def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
@@ -95,8 +106,9 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
         vision = copy.deepcopy(vision).float() if vision is not None else None
     with build.backend.session(validate_cfg, inputs, workdir, programs_recipe(build)) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
+        chat = False
         if session.manifest.get("tokenizer") and validate_cfg.prompts:
-            _text_prompts(scripts, list(validate_cfg.prompts), session)
+            chat = _text_prompts(scripts, list(validate_cfg.prompts), session)
         if vision is not None:
             add_images(scripts, session.vision, session.vocab_size, validate_cfg.seed)
         how = ("speculatively (DFlash draft) " if draft is not None else "") + ("with images " if vision is not None else "")
@@ -135,7 +147,7 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
             "sequences": [{"id": s.seq_id, "prompt_tokens": len(s.prompt), "decoded": s.decoded} for s in scripts],
             **stats,
         },
-        **({"text": text} if scripts[0].text is not None else {}),
+        **({"text": text, "chat_template": chat} if scripts[0].text is not None else {}),
         "runtime": runtime,
         "metric": {"range": "max |logits - oracle| / (oracle logit range)",
                    "norm": "||logits - oracle|| / ||oracle||"}[validate_cfg.metric] + ", every step of every sequence",

@@ -33,7 +33,7 @@ def configs() -> dict:
         # Phi-4-mini: partial rotary 0.75, longrope (short factors within the original context), tied head
         "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
             num_hidden_layers=2, tie_word_embeddings=True, max_position_embeddings=4096,
-            original_max_position_embeddings=128, rope_parameters=dict(
+            original_max_position_embeddings=256, rope_parameters=dict(
                 rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                 short_factor=[1.0 + 0.25 * i for i in range(6)], long_factor=[2.0 + i for i in range(6)]))),
         # SmolLM3: no RoPE on every 4th layer

@@ -9,10 +9,10 @@ layout over a continuous-batching episode, equal transformers' forward of each s
 
 import json
 
+import family_models
 import pytest
 import torch
 
-import family_models
 from conftest import compose_config
 from pipeline.build.plan import resolve_model
 from pipeline.errors import ConfigError
@@ -133,8 +133,8 @@ def test_static_rope_refuses_contexts_beyond_its_original(checkpoints):
     from pipeline.build.plan import resolve
 
     with pytest.raises(ConfigError, match=r"model.rope_scaling.type=longrope changes its frequencies beyond "
-                                          r"original_context=128 positions.*kv.capacity=256"):
-        resolve(config_of(checkpoints["phi3"][0], "kv.capacity=256"))
+                                          r"original_context=256 positions.*kv.capacity=512"):
+        resolve(config_of(checkpoints["phi3"][0], "kv.capacity=512"))
 
 
 # --- the artifact: each family in both layouts, through a continuous-batching episode ---
@@ -194,3 +194,40 @@ def test_artifact_equals_transformers(checkpoints, tmp_path, name, layout):
     assert json.loads((version / "validation.json").read_text())["passed"]
     worst = episode(Session(version), hf, torch.Generator().manual_seed(11))
     assert worst <= BOUND, worst
+
+
+def test_bad_hf_checkpoints_refused_in_one_line(checkpoints, tmp_path):
+    """Through the command line: one line naming the file, the field or tensor and what is expected; exit 2;
+    no version. The first two are refused with the config, the last two when the export reads the weights."""
+    import shutil
+
+    from test_loaders import _pipeline
+
+    def variant(name, change):
+        directory = tmp_path / name
+        shutil.copytree(checkpoints["mistral"][0], directory)
+        change(directory)
+        return directory
+
+    def edit_config(**fields):
+        def change(directory):
+            config = json.loads((directory / "config.json").read_text())
+            (directory / "config.json").write_text(json.dumps({**config, **fields}))
+        return change
+
+    def truncate(directory):
+        data = (directory / "model.safetensors").read_bytes()
+        (directory / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+    cases = [
+        (variant("gpt2", edit_config(architectures=["GPT2LMHeadModel"])), "architecture 'GPT2LMHeadModel' is not supported"),
+        (variant("rope", edit_config(rope_parameters={"rope_type": "su", "rope_theta": 1e4})), "rope_type='su' is not supported"),
+        (variant("truncated", truncate), "model.safetensors cannot be read"),
+        (variant("shapes", edit_config(intermediate_size=80)),
+         "from model.dim=64, model.hidden_dim=80 (the checkpoint's config says so"),
+    ]
+    for directory, needle in cases:
+        proc = _pipeline(tmp_path, f"+model.checkpoint={directory}", "backend=portable")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: model.checkpoint={directory}") and needle in proc.stderr, proc.stderr
+    assert not list((tmp_path / "out").rglob("v0*"))

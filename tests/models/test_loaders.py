@@ -284,6 +284,11 @@ def test_session_generates_text_for_four_prompts_at_once(tmp_path, smollm2):
     report = json.loads((version / "validation.json").read_text())  # the episode ran on text prompts
     assert report["passed"] and report["text"]["seq0"]["prompt"] == "The capital of France is"
     assert report["text"]["seq1"]["prompt"] == "def fibonacci(n):" and len(report["text"]["seq1"]["continuation"]) > 0
+    # a chat model's tokenizer: each prompt went in as a user's message through its chat template
+    templated = tok.apply_chat_template([{"role": "user", "content": "The capital of France is"}], tokenize=False,
+                                        add_generation_prompt=True)
+    assert report["chat_template"] is True and "<|im_start|>user" in templated
+    assert report["scenario"]["sequences"][0]["prompt_tokens"] == len(tok(templated, add_special_tokens=False).input_ids)
     prompts = {f"p{i}": text for i, text in enumerate(PROMPTS + ["Hello"])}
     session = Session(version)
     got = session.generate(prompts, max_new_tokens=12, stop_at_eos=False, speculative=False)

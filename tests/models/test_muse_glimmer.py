@@ -117,6 +117,71 @@ def test_comparison_can_fail():
         assert relative(got, ref_logits(ref, tokens, 0)) > 1e-3
 
 
+def preset_and_reference(*overrides: str):
+    """model=muse_glimmer_tiny with ``overrides`` (random weights, norms moved off 1) and ExecuTorch's
+    MuseGlimmerModel built from the same settings, given only what its config takes (its attention scale
+    and FFN width it derives itself; its logit multiplier and soft cap are its defaults), our weights
+    copied into it."""
+    cfg = resolve_model(compose_config("model=muse_glimmer_tiny", *overrides), list(overrides)).model
+    ours = build_model(model_args(cfg), cfg.seed)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.2)
+    config = MuseGlimmerConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                               head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base,
+                               global_attn_cfg="[16,16,16,0]", every_n_layers_nope=4, max_seq_len=128, fuse_qkv=False,
+                               fuse_gate_up=False)
+    ref = MuseGlimmerModel(config).eval()
+    theirs, mine = dict(ref.named_parameters()), dict(ours.named_parameters())
+    assert set(names(4)) == set(theirs) and set(names(4).values()) == set(mine)
+    with torch.no_grad():
+        for r_name, o_name in names(4).items():
+            assert theirs[r_name].shape == mine[o_name].shape, (r_name, overrides)  # hidden_dim: ET's ffn_dim
+            theirs[r_name].copy_(mine[o_name])
+    return ours, ref
+
+
+def decode_error(ours, ref) -> float:
+    """The worst relative logit error of a 12-token prefill and 13 decodes (every window slides)."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, start, worst = torch.randint(0, 512, (12,), generator=gen), 0, 0.0
+    with torch.no_grad(), reference_cache(ReferenceCache(ours.args.layer_kv())):
+        for _ in range(14):
+            want = ref_logits(ref, tokens, start)
+            got = ours.logits(ours.hidden(ours.embed(tokens), torch.arange(start, start + len(tokens))))
+            worst = max(worst, relative(got, want))
+            start += len(tokens)
+            tokens = want[-1].argmax().reshape(1)
+    return worst
+
+
+DERIVED = {"preset": (), "head_dim 12": ("model.head_dim=12",), "dim 96": ("model.dim=96",),
+           "head_dim 32, 2 heads": ("model.head_dim=32", "model.n_heads=2", "model.n_kv_heads=1")}
+
+
+@pytest.mark.parametrize("case", DERIVED)
+def test_preset_derives_its_settings_as_executorchs_model(case):
+    """model=muse_glimmer_tiny, with its width or head dim changed, equals ExecuTorch's model built with
+    the same settings: the attention scale follows head_dim, the FFN width dim (as ET derives them)."""
+    ours, ref = preset_and_reference(*DERIVED[case])
+    assert ours.args.attn_scale == ref.layers[0].self_attn.attn_scale and ours.args.hidden_dim == ref.config.ffn_dim
+    assert decode_error(ours, ref) <= 1e-5, case
+
+
+def test_fixed_scale_of_the_old_preset_disagrees():
+    """The preset's former fixed attn_scale (43.7840518911 / 16, right for head_dim 16 only) fails the
+    same comparison at head_dim 12; an explicit model.attn_scale still wins over the derivation."""
+    old = 2.7365032432
+    ours, ref = preset_and_reference("model.head_dim=12")
+    for layer in ours.layers:
+        layer.attention.scale = old
+    assert decode_error(ours, ref) > 1e-3
+    cfg = resolve_model(compose_config("model=muse_glimmer_tiny", "model.head_dim=12", f"model.attn_scale={old}",
+                                       "model.hidden_dim=100"), ["model.head_dim=12", "model.attn_scale", "model.hidden_dim"]).model
+    assert (cfg.attn_scale, cfg.hidden_dim) == (old, 100)
+
+
 LAYOUTS = {"sequence": (), "batched-sequence": ("kv.max_seqs=3",), "cell": ("kv=cell", "kv.max_seqs=3")}
 
 

@@ -27,7 +27,7 @@ class Draft(Role):
         implied = read_config(cfg.draft.checkpoint)
         source = f"draft.checkpoint={cfg.draft.checkpoint}"
         for key, want in (("hidden_size", cfg.model.dim), ("vocab_size", cfg.model.vocab_size)):
-            got = implied.pop(key)
+            got = implied.pop(key, want)  # a DFlash GGUF does not say its vocabulary
             if got != want:
                 setting = "model.dim" if key == "hidden_size" else "model.vocab_size"
                 raise ConfigError(f"{source} has {key}={got}, but the target has {setting}={want}: the draft shares the "

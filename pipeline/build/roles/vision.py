@@ -16,6 +16,23 @@ class Vision(Role):
     name, section, stage = VISION, "vision", "export_vision"
     processor_dir = "image_processor"
 
+    def impose(self, cfg, given):
+        if not cfg.vision.checkpoint:
+            return
+        from pipeline.models.loaders.glimmer_vision import check_patches, read_config
+
+        implied, out_dim = read_config(cfg.vision.checkpoint)
+        source = f"vision.checkpoint={cfg.vision.checkpoint}"
+        if out_dim != cfg.model.dim:
+            raise ConfigError(f"{source} makes image tokens of width {out_dim}, but the target has model.dim={cfg.model.dim}: "
+                              "image tokens replace token embeddings; choose the mmproj of this target")
+        for key, value in implied.items():
+            if f"vision.{key}" in given and cfg.vision[key] != value:
+                raise ConfigError(f"vision.{key}={cfg.vision[key]} contradicts {source}, which has {key}={value}; "
+                                  "drop the override")
+        cfg.vision.merge_with(implied)
+        check_patches(cfg.vision, cfg.vision.checkpoint)
+
     def args(self, cfg, parts):
         from pipeline.build.feasibility import check_vision
 
@@ -60,7 +77,13 @@ class Vision(Role):
             from pipeline.runtime.images import image_processor
 
             image_processor(a.image_size).save_pretrained(str(workdir / self.processor_dir))
-        return build_vision_model(cfg.vision, cfg.model), {}
+        model = build_vision_model(cfg.vision, cfg.model)
+        if cfg.vision.checkpoint:
+            from pipeline.models.loaders.glimmer_vision import load_vision
+
+            print(f"  load vision {cfg.vision.checkpoint}", flush=True)
+            load_vision(model, cfg.vision.checkpoint)
+        return model, {}
 
     def views(self, part, built):
         return {VISION_ENCODER: built[VISION]}

@@ -61,11 +61,26 @@ def load_into(model, path: str, family) -> None:
         raise BuildError(f"model.checkpoint={path}: " + "; ".join(p for p in problems if p))
     for name, tensor in weights.items():
         if tuple(tensor.shape) != tuple(want[name].shape):
-            raise BuildError(f"model.checkpoint={path}: tensor {name} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(want[name].shape)}")
+            settings = ", ".join(f"model.{k}={getattr(model.args, k)}" for k in _shape_settings(name))
+            raise BuildError(f"model.checkpoint={path}: tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(want[name].shape)} from {settings} (the checkpoint's config says so; the two disagree)")
     with torch.no_grad():
         for name, tensor in weights.items():
             want[name].copy_(tensor)
+
+
+# the settings a parameter's shape follows from (by a piece of its name)
+SHAPES = (("feed_forward", ("dim", "hidden_dim")), ("attention.wq", ("dim", "n_heads", "head_dim")),
+          ("attention.wk", ("dim", "n_kv_heads", "head_dim")), ("attention.wv", ("dim", "n_kv_heads", "head_dim")),
+          ("attention.wo", ("dim", "n_heads", "head_dim")), ("attention.wg", ("dim", "n_heads", "head_dim")),
+          ("_norm.", ("head_dim",)), ("tok_embeddings", ("vocab_size", "dim")), ("output", ("vocab_size", "dim")))
+
+
+def _shape_settings(name: str) -> tuple[str, ...]:
+    for piece, settings in SHAPES:
+        if piece in name and not (piece == "_norm." and "attention" not in name):
+            return settings
+    return ("dim",)
 
 
 def _listed(what: str, names: list[str], tensors: dict) -> str:
