@@ -102,22 +102,26 @@ def apply_blocks(model, model_cfg, quant_cfg) -> dict[str, str]:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerAxis, quantize_
 
     from pipeline.models.families import family
-    from pipeline.models.loaders.gguf import _reader, our_name
+    from pipeline.models.loaders.gguf import _reader, fused_parts, our_name
     from pipeline.quant.embedding import QuantEmbedding
 
     checkpoint, fam, args = model_cfg.checkpoint, family(model_cfg.family), model.args
     reader = _reader(Path(checkpoint))
     formats, requantize = {}, []
-    tensors = {our_name(t.name): t for t in weights_2d(reader)}
+    tensors = {}  # our name -> (the GGUF tensor, its rows): a fused one (Phi-3's attn_qkv, ffn_up) gives several
+    for t in weights_2d(reader):
+        for name, start, stop in fused_parts(t.name, args, fam) or [(our_name(t.name), None, None)]:
+            tensors[name] = (t, slice(start, stop))
     if "output.weight" not in tensors and "tok_embeddings.weight" in tensors:
         tensors["output.weight"] = tensors["tok_embeddings.weight"]  # a tied head: the embedding's blocks
-    for name, tensor in tensors.items():
+    for name, (tensor, rows) in tensors.items():
         module_name = name.removesuffix(".weight")
         kind = tensor.tensor_type.name
         if kind in FLOAT:
             formats[module_name] = f"{kind} (kept float)"
             continue
-        b = blocks(tensor)
+        # a block is 32 columns of one row: a fused tensor's rows split whole blocks
+        b = {k: v if k == "kind" else v[rows] for k, v in blocks(tensor).items()}
         if name.endswith(("wq.weight", "wk.weight")) and fam.gguf_permutes_qk:
             b = _permuted(b, args.n_heads if name.endswith("wq.weight") else args.n_kv_heads)
         if module_name == "tok_embeddings":

@@ -295,21 +295,22 @@ def test_rope_freqs_checked_against_the_model(files, tmp_path):
         checkpoint_cfg(path)
 
 
-def test_from_checkpoint_keeps_q8_0_blocks_of_a_new_family(files):
-    """quant=from_checkpoint on SmolLM3's Q8_0 file (q/k permuted, tied head): the embedding's blocks are kept bit
-    for bit, the linears requantized per channel (XNNPACK has no 8-bit groups), and the quantized model's logits
-    stay near the file's dequantized ones."""
+@pytest.mark.parametrize("name", ["smollm3", "phi3"])
+def test_from_checkpoint_keeps_q8_0_blocks_of_a_new_family(files, name):
+    """quant=from_checkpoint on a Q8_0 file (SmolLM3: q/k permuted, tied head; Phi-3: fused attn_qkv and ffn_up,
+    whose blocks are split by rows): the embedding's blocks are kept bit for bit, the linears requantized per
+    channel (XNNPACK has no 8-bit groups), and the quantized model's logits stay near the file's dequantized ones."""
     from pipeline.models.methods import build_target
     from pipeline.quant.apply import dequantized, quantize
 
-    original, paths = files["smollm3"]
+    original, paths = files[name]
     cfg = resolve_model(compose_config(f"+model.checkpoint={paths['Q8_0']}", "quant=from_checkpoint"), [])
     model, _ = build_target(cfg.model, None)
     want_embedding = model.tok_embeddings.weight.detach().clone()
-    want = our_logits(model, POSITIONS["smollm3"])
+    want = our_logits(model, POSITIONS[name])
     report = quantize(model, cfg.quant, cfg.model)
     embedding = report["tensors"]["tok_embeddings"]
     assert "Q8_0 blocks kept" in embedding["format"] and embedding["bit_exact"]
     assert torch.equal(dequantized(model, "tok_embeddings"), want_embedding)
     assert all("requantized" in t["format"] for n, t in report["tensors"].items() if n != "tok_embeddings")
-    assert relative(our_logits(model, POSITIONS["smollm3"]), want) <= 2e-2
+    assert relative(our_logits(model, POSITIONS[name]), want) <= 2e-2
