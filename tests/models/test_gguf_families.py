@@ -136,7 +136,7 @@ def test_the_file_implies_what_the_checkpoint_directory_does(files):
     attention factor as a number our config derives). Qwen2's windows compare because this converter writes
     them in llama.cpp's window keys; llama.cpp's own drops them (a planted case below shows the difference)."""
     from pipeline.models.args import RopeScaling
-    from pipeline.models.loaders.gguf import read_config
+    from pipeline.models.loaders.gguf_config import read_config
     from pipeline.models.loaders.hf_config import settings_of
     from pipeline.models.rope import frequencies
 

@@ -30,9 +30,9 @@ def checkpoint_config(path: str) -> tuple[str, dict]:
         from pipeline.models.loaders import hf
 
         return hf.read_config(path)
-    from pipeline.models.loaders import gguf
+    from pipeline.models.loaders import gguf_config
 
-    return gguf.read_config(path)
+    return gguf_config.read_config(path)
 
 
 def read_weights(path: str, args, family) -> dict:

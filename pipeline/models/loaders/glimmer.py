@@ -31,7 +31,7 @@ SIZES = {"vocab_size": "vocab_size", "dim": "embedding_length", "n_layers": "blo
 
 def target_settings(reader, where: str) -> dict:
     """{ModelArgs field: value} a Muse Glimmer GGUF implies (``where``: 'model.checkpoint=FILE')."""
-    from pipeline.models.loaders.gguf import _windows
+    from pipeline.models.loaders.gguf import windows
 
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists the fastest dim first
 
@@ -60,5 +60,5 @@ def target_settings(reader, where: str) -> dict:
         if field is not None:
             settings[setting] = kind(field.contents())
     if reader.fields.get(f"{ARCHITECTURE}.attention.sliding_window") is not None:
-        settings |= _windows(reader, ARCHITECTURE, settings["n_layers"], where=where)
+        settings |= windows(reader, ARCHITECTURE, settings["n_layers"], where=where)
     return settings
