@@ -47,9 +47,15 @@ class Draft(Role):
         from pipeline.build.feasibility import check_draft
         from pipeline.kv.layouts import KVConfigError
         from pipeline.quant import check_draft as check_quant
+        from pipeline.quant import scheme
 
         check_draft(part.args, parts[TARGET].args, cfg.draft)
         check_quant(cfg.quant, part.args, cfg.draft)
+        if cfg.quant.draft and scheme(cfg.quant.scheme).quantized and cfg.kv.layout == "cell":
+            # measured: XNNPACK's partitioner finds a dependency cycle in the cell layout's quantized draft step
+            raise ConfigError("quant.draft=true with kv=cell cannot be compiled: XNNPACK's partitioner finds a "
+                              "dependency cycle in the quantized draft's step; use kv=sequence, or drop quant.draft "
+                              "(the draft's linears stay in float)")
         block, step = part.args.block_size, cfg.kv.max_step_tokens
         if block > step:
             raise KVConfigError(f"draft.block_size={block} is more than kv.max_step_tokens={step}: a verification step "
