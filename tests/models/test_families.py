@@ -231,3 +231,17 @@ def test_bad_hf_checkpoints_refused_in_one_line(checkpoints, tmp_path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"error: model.checkpoint={directory}") and needle in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").rglob("v0*"))
+
+
+def test_a_window_past_every_position_is_no_window(checkpoints, tmp_path):
+    """Phi-4-mini's config.json has sliding_window=262144 over max_position_embeddings=131072: every layer is flat
+    (a ring that long would be refused by any kv.capacity); a window within the positions stays a ring."""
+    import shutil
+
+    for window, want in ((8192, ("F", 0)), (4095, ("R", 4095))):
+        directory = tmp_path / f"phi3_{window}"
+        shutil.copytree(checkpoints["phi3"][0], directory)
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+        model = config_of(directory).model
+        assert (model.layer_pattern[0], model.sliding_window) == want

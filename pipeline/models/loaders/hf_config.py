@@ -154,6 +154,8 @@ def _windows(config: dict, family: str, n_layers: int, where: str) -> dict:
         raise ConfigError(f"{where}: layer_types has {len(kinds)} entries for num_hidden_layers={n_layers}")
     if family == "smollm3" and not config.get("use_sliding_window"):
         kinds = ["full_attention"] * n_layers  # SmolLM3 slides its sliding layers only with use_sliding_window
+    if window and window >= config.get("max_position_embeddings", window + 1):
+        kinds = ["full_attention"] * n_layers  # a window past every position the model takes is no window (Phi-4-mini's)
     if "sliding_attention" not in kinds:
         return {"sliding_window": 0, "layer_pattern": "F"}
     if not window:
