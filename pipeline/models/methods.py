@@ -22,7 +22,8 @@ def build_target(model_cfg, workdir: Path | None) -> tuple:
         load_into(model, model_cfg.checkpoint, family(model_cfg.family))
     source = model_cfg.tokenizer or model_cfg.checkpoint
     if source and workdir is not None:
-        tokenizer = save_tokenizer(source, Path(workdir))
+        setting = "model.tokenizer" if model_cfg.tokenizer else "model.checkpoint"
+        tokenizer = save_tokenizer(source, Path(workdir), setting)
     return model, tokenizer
 
 

@@ -42,12 +42,19 @@ def vocabulary_size(path: str) -> int:
     return token_count(source)
 
 
-def save_tokenizer(checkpoint: str, workdir: Path) -> Path | None:
+def save_tokenizer(checkpoint: str, workdir: Path, setting: str = "model.checkpoint") -> Path | None:
     """``workdir/tokenizer/`` from the checkpoint (or the ``model.tokenizer`` source); None when it has no
     tokenizer (a bare weights dir, a GGUF without tokenizer metadata)."""
     path = Path(checkpoint)
     if not _has_tokenizer(path):
         return None
     out = workdir / TOKENIZER_DIR
-    load_tokenizer(checkpoint).save_pretrained(str(out))
+    try:
+        tokenizer = load_tokenizer(checkpoint)
+    except Exception as err:  # transformers' converters fail on incomplete metadata with any error (KeyError: 'scores')
+        from pipeline.errors import BuildError
+
+        raise BuildError(f"{setting}={checkpoint}: its tokenizer cannot be read by transformers ({type(err).__name__}: {err}); "
+                         "a GGUF needs llama.cpp's complete tokenizer.ggml.* metadata") from None
+    tokenizer.save_pretrained(str(out))
     return out

@@ -149,10 +149,12 @@ def llama3_factors(rope: dict, head_dim: int, original_context: int) -> np.ndarr
 
 
 def write_gguf(model, family: str, path: Path, ftype: str = "F32", *, norm_shift: bool = True, window_keys: bool = True,
-               skip: tuple[str, ...] = (), extra: dict | None = None) -> Path:
+               skip: tuple[str, ...] = (), extra: dict | None = None, tokenizer: bool = True) -> Path:
     """``model`` (a ``tiny_model``) as llama.cpp's converter writes it, tensors in ``ftype`` (F32, F16,
     Q8_0). For the tests that must fail: ``norm_shift=False`` leaves Gemma's norms unshifted, ``skip``
-    leaves tensors out (GGUF names), ``extra`` adds metadata {key: value} (floats as float32)."""
+    leaves tensors out (GGUF names), ``extra`` adds metadata {key: value} (floats as float32).
+    ``tokenizer=False``: no tokenizer metadata (the placeholder vocabulary transformers' loader needs is not
+    a tokenizer an artifact can carry)."""
     import gguf
 
     c, arch = model.config, ARCHS[family]
@@ -220,9 +222,10 @@ def write_gguf(model, family: str, path: Path, ftype: str = "F32", *, norm_shift
             w.add_string(key, value)
         else:
             w.add_uint32(key, value)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
-    w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
+        w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():

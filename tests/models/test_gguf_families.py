@@ -314,3 +314,36 @@ def test_from_checkpoint_keeps_q8_0_blocks_of_a_new_family(files, name):
     assert torch.equal(dequantized(model, "tok_embeddings"), want_embedding)
     assert all("requantized" in t["format"] for n, t in report["tensors"].items() if n != "tok_embeddings")
     assert relative(our_logits(model, POSITIONS[name]), want) <= 2e-2
+
+
+@pytest.mark.parametrize("family,layout", [("gemma3", "cell"), ("qwen2", "sequence")])
+def test_gguf_artifact_equals_the_original(files, tmp_path, family, layout):
+    """A GGUF of a new family built into a .pte (F32: the original's weights exactly): through a continuous-batching
+    episode its logits equal the original model's forward of each sequence alone (test_families.episode)."""
+    import json
+
+    from gguf_families import write_gguf
+    from test_families import BOUND, LAYOUTS, episode
+
+    from conftest import compose_config
+    from pipeline.build.runner import build
+    from pipeline.runtime.session import Session
+
+    original = files[family][0]
+    path = write_gguf(original, family, tmp_path / f"{family}.gguf", "F32", tokenizer=False)
+    overrides = [f"+model.checkpoint={path}", "backend=portable", *LAYOUTS[layout], f"output_root={tmp_path}"]
+    version = build(compose_config(*overrides), overrides)
+    assert json.loads((version / "validation.json").read_text())["passed"]
+    assert episode(Session(version), original.eval(), torch.Generator().manual_seed(5)) <= BOUND
+
+
+def test_an_unreadable_tokenizer_is_named_in_one_line(files, tmp_path):
+    """The placeholder vocabulary the tests write for transformers' loader is no tokenizer transformers can convert:
+    the build stops naming the file, not with the converter's KeyError."""
+    from test_loaders import _pipeline
+
+    path = files["gemma3"][1]["F32"]
+    proc = _pipeline(tmp_path, f"+model.checkpoint={path}", "backend=portable")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: model.checkpoint={path}: its tokenizer cannot be read by transformers")
+    assert not list((tmp_path / "out").rglob("v0*"))

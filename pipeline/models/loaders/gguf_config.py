@@ -27,8 +27,11 @@ def read_config(path: Path) -> tuple[str, dict]:
     dim = int(_field(reader, f"{arch}.embedding_length", where))
     n_layers = int(_field(reader, f"{arch}.block_count", where))
     _refuse_unknown(reader, arch, fam.name, where)
+    # the vocabulary: the metadata's, else the tokenizer's, else the embedding's rows (GGUF lists the fastest dim first)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size", where, default=len(tokens.data) if tokens is not None else None)
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    rows = int(embedding.shape[-1]) if embedding is not None else None
+    vocab = _field(reader, f"{arch}.vocab_size", where, default=len(tokens.data) if tokens is not None else rows)
     names = {t.name for t in reader.tensors}
     head_dim = int(_field(reader, f"{arch}.attention.key_length", where, default=dim // heads))
     value_dim = int(_field(reader, f"{arch}.attention.value_length", where, default=head_dim))
