@@ -131,21 +131,16 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def llama3_factors(rope: dict, head_dim: int, original_context: int) -> np.ndarray:
-    """llama.cpp's ``rope_freqs`` for a llama3 ``rope_type``: per frequency, 1 (short wavelengths), the
-    factor (long ones), or the blend 1 / ((1 - s) / factor + s) between."""
-    base, factor = rope["rope_theta"], rope.get("factor", 8.0)
-    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelength = 2 * math.pi * base ** (i / head_dim)
-        if wavelength < original_context / high:
-            out.append(1.0)
-        elif wavelength > original_context / low:
-            out.append(factor)
-        else:
-            s = (original_context / wavelength - low) / (high - low)
-            out.append(1 / ((1 - s) / factor + s))
-    return np.array(out, dtype=np.float32)
+    """llama.cpp's ``rope_freqs`` for a llama3 ``rope_type``: per frequency, the divisor of the base frequency,
+    taken from transformers' own llama3 frequencies (the oracle, not our ``models/rope.py``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {**rope, "rope_type": "llama3", "original_max_position_embeddings": original_context}
+    config = transformers.LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                                      rope_parameters=params)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return (base / scaled).numpy().astype(np.float32)
 
 
 def write_gguf(model, family: str, path: Path, ftype: str = "F32", *, norm_shift: bool = True, window_keys: bool = True,

@@ -17,6 +17,18 @@ EXPORT_WIDTH = 64  # the export's token axes' upper bound (any width > 1 traces 
 STORE_MODULE = "kv_store"  # the target's stores are buffers kv_store.k_<layer>, kv_store.v_<layer>
 
 
+def impose_settings(cfg, section: str, settings: dict, given: set[str], source: str) -> None:
+    """Merge ``settings`` (what ``source`` implies) into ``cfg[section]``; a command-line override (``given``)
+    that contradicts one is an error naming both values."""
+    from pipeline.errors import ConfigError
+
+    for key, value in settings.items():
+        if f"{section}.{key}" in given and cfg[section][key] != value:
+            raise ConfigError(f"{section}.{key}={cfg[section][key]} contradicts {source}, which has {key}={value}; "
+                              "drop the override")
+    cfg[section].merge_with(settings)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One method of a role: its name and bounds (``width``: most tokens of a step, ``rows``: most

@@ -9,6 +9,7 @@ from pipeline.build.roles.base import (
     MethodSpec,
     Role,
     _dim,
+    impose_settings,
     kv_section,
 )
 from pipeline.errors import ConfigError
@@ -32,11 +33,7 @@ class Draft(Role):
                 setting = "model.dim" if key == "hidden_size" else "model.vocab_size"
                 raise ConfigError(f"{source} has {key}={got}, but the target has {setting}={want}: the draft shares the "
                                   "target's embeddings and head; choose a draft trained for this target")
-        for key, value in implied.items():
-            if f"draft.{key}" in given and cfg.draft[key] != value:
-                raise ConfigError(f"draft.{key}={cfg.draft[key]} contradicts {source}, which has {key}={value}; "
-                                  "drop the override")
-        cfg.draft.merge_with(implied)
+        impose_settings(cfg, "draft", implied, given, source)
 
     def args(self, cfg, parts):
         from pipeline.models.args import draft_args

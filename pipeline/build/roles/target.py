@@ -10,9 +10,9 @@ from pipeline.build.roles.base import (
     MethodSpec,
     Role,
     _dim,
+    impose_settings,
     kv_section,
 )
-from pipeline.errors import ConfigError
 
 
 class Target(Role):
@@ -22,11 +22,7 @@ class Target(Role):
         from pipeline.models.families import family
 
         def impose(settings: dict, source: str) -> None:
-            for key, value in settings.items():
-                if f"model.{key}" in given and cfg.model[key] != value:
-                    raise ConfigError(f"model.{key}={cfg.model[key]} contradicts {source}, which has {key}={value}; "
-                                      "drop the override")
-            cfg.model.merge_with(settings)
+            impose_settings(cfg, "model", settings, given, source)
 
         if cfg.model.checkpoint:
             from pipeline.models.loaders import checkpoint_config

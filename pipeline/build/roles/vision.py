@@ -6,6 +6,7 @@ from pipeline.build.roles.base import (
     VISION_ENCODER,
     MethodSpec,
     Role,
+    impose_settings,
 )
 from pipeline.errors import ConfigError
 
@@ -26,11 +27,7 @@ class Vision(Role):
         if out_dim != cfg.model.dim:
             raise ConfigError(f"{source} makes image tokens of width {out_dim}, but the target has model.dim={cfg.model.dim}: "
                               "image tokens replace token embeddings; choose the mmproj of this target")
-        for key, value in implied.items():
-            if f"vision.{key}" in given and cfg.vision[key] != value:
-                raise ConfigError(f"vision.{key}={cfg.vision[key]} contradicts {source}, which has {key}={value}; "
-                                  "drop the override")
-        cfg.vision.merge_with(implied)
+        impose_settings(cfg, "vision", implied, given, source)
         check_patches(cfg.vision, cfg.vision.checkpoint)
 
     def args(self, cfg, parts):
