@@ -182,6 +182,22 @@ def test_fixed_scale_of_the_old_preset_disagrees():
     assert (cfg.attn_scale, cfg.hidden_dim) == (old, 100)
 
 
+def test_real_size_preset_is_executorchs_config():
+    """model=muse_glimmer (for the real checkpoint, whose GGUF says only some settings) is ExecuTorch's
+    MuseGlimmerConfig defaults, its derived settings included."""
+    et = MuseGlimmerConfig()
+    m = resolve_model(compose_config("model=muse_glimmer"), []).model
+    window = int(et.global_attn_cfg.strip("[]").split(",")[0])
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab_size) == (
+        et.dim, et.n_layers, et.n_heads, et.n_kv_heads, et.head_dim, et.vocab_size)
+    assert (m.norm_eps, m.rope_base, m.qk_norm, m.attn_gate, m.embed_norm) == (
+        et.norm_eps, et.rope_theta, et.use_qk_norm, et.use_attn_o_gate, et.normalize_tok_embeddings)
+    assert (m.sliding_window, m.layer_pattern, m.logit_multiplier, m.logit_soft_cap, m.post_norm_eps) == (
+        window, "RRRF", et.output_multiplier, et.output_soft_cap_temp, et.post_norm_eps)
+    assert m.hidden_dim == et.ffn_dim and m.attn_scale == pytest.approx(43.7840518911 / et.head_dim)
+    assert et.every_n_layers_nope == 4 and m.flat_layers_nope
+
+
 LAYOUTS = {"sequence": (), "batched-sequence": ("kv.max_seqs=3",), "cell": ("kv=cell", "kv.max_seqs=3")}
 
 
