@@ -122,7 +122,8 @@ def test_unknown_config_field_and_rope_type_refused(checkpoints, tmp_path):
              ({"rope_parameters": {**config["rope_parameters"], "rope_type": "proportional"}},
               r"rope_type='proportional' is not supported; supported: default, linear, dynamic, llama3, yarn, longrope"),
              ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
-             ({"mlp_bias": True}, r"mlp_bias=True is not supported")]
+             ({"mlp_bias": True}, r"mlp_bias=True is not supported"),
+             ({"rms_norm_eps": None}, r"field rms_norm_eps is missing")]
     for change, message in cases:
         (directory / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ConfigError, match=rf"model.checkpoint={directory}: config.json: {message}"):

@@ -31,6 +31,7 @@ INERT = {
     "tokenizer_class", "use_return_dict", "tie_encoder_decoder", "torchscript", "finetuning_task",
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+TIED_BY_DEFAULT = ("gemma3", "smollm3")  # transformers' config classes' tie_word_embeddings where config.json omits it
 LAYER_KINDS = {"full_attention": "F", "sliding_attention": "R"}
 
 
@@ -56,6 +57,9 @@ def settings_of(config: dict, family: str, where: str) -> dict:
     for key in ("full_attn_mod", "interpolate_factor"):  # Phi-4-mini's, at the values transformers ignores
         if config.get(key, 1) != 1:
             raise refuse(key, "only 1")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "rms_norm_eps")
+    if missing := [key for key in required if config.get(key) is None]:
+        raise ConfigError(f"{where}: field {missing[0]} is missing; a {family} config.json has {', '.join(required)}")
     heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     global_rope, local_rope = _rope_parameters(config, family, where)
@@ -64,7 +68,7 @@ def settings_of(config: dict, family: str, where: str) -> dict:
         "vocab_size": config["vocab_size"], "dim": config["hidden_size"], "n_layers": n_layers,
         "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads, "head_dim": head_dim,
         "hidden_dim": config["intermediate_size"], "norm_eps": float(config["rms_norm_eps"]),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", family == "gemma3")),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
         "mlp_act": ACTIVATIONS[act], "rope_base": float(global_rope.get("rope_theta", 10000.0)),
         "rope_scaling": _scaling(global_rope, config, where), "rope_dim": 0 if rotary == head_dim else rotary,
         "rope_local_base": float(local_rope["rope_theta"]) if local_rope else 0.0,
