@@ -103,6 +103,23 @@ def pytest_pyfunc_call(pyfuncitem):
     pytest.fail(f"in the child process ({outcome}): {message}", pytrace=False)
 
 
+def gguf_metadata(w, values: dict) -> None:
+    """Write {key: value} to a GGUFWriter by the value's Python type (floats as float32, ints as uint32); None: skipped."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+
+
 def gguf_writer(path: Path, arch: str, *, n_layers: int, dim: int, hidden_dim: int, n_heads: int, n_kv_heads: int,
                 norm_eps: float, rope_base: float, vocab_size: int):
     """A gguf.GGUFWriter for ``arch`` with llama.cpp's decoder metadata written."""

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 import transformers
 
+from conftest import gguf_metadata
+
 VOCAB = 320
 # initializer_range 0.1 (not 0.02): attention then moves the logits enough that a misread RoPE or q/k shows
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -210,13 +212,7 @@ def write_gguf(model, family: str, path: Path, ftype: str = "F32", *, norm_shift
     if family == "qwen2" and c.use_sliding_window and window_keys:
         w.add_sliding_window(c.sliding_window)
         w.add_sliding_window_pattern([kind == "sliding_attention" for kind in c.layer_types])
-    for key, value in (extra or {}).items():
-        if isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_uint32(key, value)
+    gguf_metadata(w, extra or {})
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])

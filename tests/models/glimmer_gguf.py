@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import torch
 
+from conftest import gguf_metadata
 from test_loaders import quantize_k  # Q4_K / Q6_K from floats (the gguf package dequantizes them only)
 
 Q4, Q6 = "Q4_K", "Q6_K"
@@ -186,17 +187,7 @@ def write_dflash(path: Path, weights: dict[str, torch.Tensor], config, *, metada
             "dflash.attention.layer_norm_rms_epsilon": c.norm_eps, "tokenizer.ggml.mask_token_id": c.mask_token_id,
             "dflash.context_length": c.max_seq_len} | (metadata or {})
     w = gguf.GGUFWriter(str(path), "dflash")
-    for key, value in keys.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        else:
-            w.add_uint32(key, value)
+    gguf_metadata(w, keys)
     for fqn, name in to_gguf.items():
         if name not in leave_out:
             values = (change or {}).get(name, lambda v: v)(weights[fqn].detach().float())
