@@ -71,6 +71,26 @@ def check_overrides(argv: list[str]) -> None:
                 check_setting(key, value)
 
 
+def check_slurm(argv: list[str]) -> None:
+    """A sweep sent to SLURM (``hydra/launcher=slurm``) needs ``sbatch`` and a controller that answers: checked
+    before Hydra writes any job, so that a missing cluster is one line rather than a job submission's traceback."""
+    if not any(a.lstrip("+") in ("hydra/launcher=slurm", "hydra/launcher=submitit_slurm") for a in argv):
+        return
+    import shutil
+    import subprocess
+
+    start = "start the one-host cluster with `bash .ci/slurm-up` (README: Sweeps), or run on a cluster's login node"
+    if shutil.which("sbatch") is None:
+        raise ConfigError(f"hydra/launcher=slurm: sbatch is not on PATH (SLURM is not installed here); {start}")
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"hydra/launcher=slurm: sinfo did not answer ({err}); {start}") from None
+    if proc.returncode != 0:
+        reason = _first_line(RuntimeError(proc.stderr)) if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise ConfigError(f"hydra/launcher=slurm: slurmctld is not reachable (sinfo: {reason}); {start}")
+
+
 def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0] if lines else type(err).__name__
@@ -94,6 +114,7 @@ def main(hydra_main, argv: list[str]) -> None:
 
     try:
         check_overrides(argv)
+        check_slurm(argv)
     except ConfigError as err:
         fail(str(err))
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises, the lines below format
@@ -103,6 +124,14 @@ def main(hydra_main, argv: list[str]) -> None:
         fail(str(err))
     except (HydraException, OmegaConfBaseException) as err:
         fail(one_line(err))
+    except Exception as err:
+        if not any("hydra/launcher=" in a for a in argv):
+            raise
+        # a job's failure as submitit reports it (its first line and the job's own last one); the other jobs of the
+        # sweep go on in their processes or on the cluster, and each writes its row of summary.csv
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        fail(f"sweep: {lines[0] if lines else type(err).__name__}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+             + "; the sweep's other jobs finish on their own and write their rows to its summary.csv")
 
 
 def run_build(cfg: DictConfig) -> None:
@@ -125,6 +154,8 @@ def run_build(cfg: DictConfig) -> None:
         if name := hydra_cfg.job.override_dirname.replace("/", "_"):
             exp_dir /= name
     start, version, decode = time.perf_counter(), None, None
+    if sweeping and os.environ.get("SLURM_JOB_ID"):
+        _stop_on_sigterm()
     try:
         with filtered_stderr(enabled=not cfg.verbose) as noise:
             if cfg.rebuild:
@@ -139,7 +170,8 @@ def run_build(cfg: DictConfig) -> None:
             print(f"  ({noise['hidden']} lines of known library warnings hidden; verbose=true shows them)")
     except Exception as err:
         if sweeping and not cfg.dry_run:
-            _record(cfg, hydra_cfg, None, time.perf_counter() - start, f"{type(err).__name__}: {err}", None)
+            status = err.status if isinstance(err, KilledBySlurm) else "failed"
+            _record(cfg, hydra_cfg, None, time.perf_counter() - start, f"{type(err).__name__}: {err}", None, status)
         if not isinstance(err, (ConfigError, BuildError)):
             raise
         if not sweeping:
@@ -166,8 +198,55 @@ def _measure(cfg: DictConfig, version: Path) -> dict | None:
     return rate
 
 
-def _record(cfg, hydra_cfg, version, seconds, error, decode) -> None:
+def _record(cfg, hydra_cfg, version, seconds, error, decode, status: str | None = None) -> None:
     from pipeline.build.sweep import job_row, record_job
 
     job = {"num": hydra_cfg.job.num, "overrides": hydra_cfg.job.override_dirname}
-    record_job(Path(hydra_cfg.sweep.dir), job_row(cfg, job, version, seconds, error, decode))
+    record_job(Path(hydra_cfg.sweep.dir), job_row(cfg, job, version, seconds, error, decode, status))
+
+
+class KilledBySlurm(Exception):
+    """SLURM ended this job (scancel, its time limit): raised from the SIGTERM that comes before its SIGKILL, so that
+    the build moves its work out of the way (no version, no half cache entry) and the sweep's row says so."""
+
+    def __init__(self, status: str):
+        super().__init__(status)  # the one argument: submitit pickles the exception back to the sweep
+        self.status = status
+
+    def __str__(self) -> str:
+        return f"SLURM ended the job ({self.status}: SIGTERM before its kill)"
+
+
+def _seconds(slurm_time: str) -> float:
+    """SLURM's [D-][HH:]MM:SS as seconds; UNLIMITED (or anything else) as infinity."""
+    days, _, clock = slurm_time.rpartition("-")
+    try:
+        parts = [int(x) for x in clock.split(":")]
+    except ValueError:
+        return float("inf")
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return (int(days or 0) * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
+
+
+def _stop_on_sigterm() -> None:
+    """submitit ignores SIGTERM in a job (it waits for its own signal to checkpoint): in a build, SIGTERM stops it.
+    The job's record says why: past its time limit (timeout) or not (cancelled: scancel, a node going down)."""
+    import signal
+    import subprocess
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM may send it again; the cleanup runs once
+        status = "cancelled"
+        try:
+            out = subprocess.run(["scontrol", "show", "job", "-o", os.environ["SLURM_JOB_ID"]], capture_output=True,
+                                 text=True, timeout=10).stdout
+            fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+            if fields.get("JobState") == "TIMEOUT" or _seconds(fields.get("RunTime", "")) >= _seconds(
+                    fields.get("TimeLimit", "UNLIMITED")):
+                status = "timeout"
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        raise KilledBySlurm(status)
+
+    signal.signal(signal.SIGTERM, stop)

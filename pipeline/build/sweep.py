@@ -24,10 +24,12 @@ def _write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
-def job_row(cfg, job: dict, version: Path | None, seconds: float, error: str | None, decode: dict | None) -> dict:
-    """One job's row: what it built (from its version's records), or its error."""
+def job_row(cfg, job: dict, version: Path | None, seconds: float, error: str | None, decode: dict | None,
+            status: str | None = None) -> dict:
+    """One job's row: what it built (from its version's records), or its error; ``status``: ok, failed, or how
+    SLURM ended it (cancelled, timeout, killed)."""
     row = dict.fromkeys(COLUMNS, "")
-    row |= {"job": job["num"], "overrides": job["overrides"], "status": "failed" if error else "ok",
+    row |= {"job": job["num"], "overrides": job["overrides"], "status": status or ("failed" if error else "ok"),
             "layout": cfg.kv.layout, "max_seqs": cfg.kv.max_seqs, "backend": cfg.backend.name, "build_s": round(seconds, 1),
             "error": error or ""}
     if version is not None:
@@ -73,7 +75,7 @@ def write_report(sweep_dir: Path) -> None:
     writer.writeheader()
     writer.writerows(table)
     _write(sweep_dir / "summary.csv", out.getvalue())
-    failed = sum(r["status"] == "failed" for r in table)
+    failed = sum(r["status"] != "ok" for r in table)
     lines = [f"# Sweep {sweep_dir.name}: {len(table)} jobs, {failed} failed", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in COLUMNS) + " |" for r in table]

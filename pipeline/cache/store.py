@@ -165,10 +165,17 @@ class Cache:
               seconds: float) -> Entry:
         """Write the entry of a stage that just ran: its files (linked from ``workdir``), its
         outputs and ``entry.json``, in a temporary directory renamed into place. Call under ``claim``."""
-        import torch
-
         final = self.entry_path(stage, key["digest"])
         tmp = final.with_name(f".tmp-{key['digest']}-{uuid.uuid4().hex[:8]}")
+        try:
+            return self._store(stage, key, workdir, new_files, outputs, facts, seconds, final, tmp)
+        except BaseException:  # stopped while writing (an error, a SIGTERM from SLURM): no half entry stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _store(self, stage, key, workdir, new_files, outputs, facts, seconds, final: Path, tmp: Path) -> Entry:
+        import torch
+
         (tmp / "outputs").mkdir(parents=True)
         for rel in new_files:
             link(workdir / rel, tmp / "files" / rel)

@@ -72,3 +72,28 @@ def test_slurm_preset_composes():
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert launcher.partition == "gpu" and launcher.timeout_min == 120 and "submitit_folder" in launcher
+
+
+def test_slurm_sweep_without_a_cluster_is_one_line(tmp_path):
+    """hydra/launcher=slurm where SLURM is not installed (sbatch not on PATH), or its controller does not answer
+    (a slurm.conf naming one that is down): one line naming what is missing and how to start the local cluster,
+    exit 2, before Hydra writes any job."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=gone\nSlurmctldHost=localhost\nSlurmctldPort=9\nNodeName=n1 CPUs=1\n"
+                    "PartitionName=p Nodes=n1\n")
+    cases = [({**env, "PATH": str(bare)}, "sbatch is not on PATH")]
+    import shutil
+
+    if shutil.which("sbatch"):
+        cases.append(({**env, "SLURM_CONF": str(conf)}, "slurmctld is not reachable"))
+    for case_env, needle in cases:
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "-m", "hydra/launcher=slurm",
+                               f"output_root={tmp_path / 'out'}", "kv.max_seqs=1,2"], cwd=tmp_path, env=case_env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("error: hydra/launcher=slurm: ") and needle in proc.stderr, proc.stderr
+        assert "bash .ci/slurm-up" in proc.stderr
+    assert not (tmp_path / "out").exists()
