@@ -30,7 +30,12 @@ SWEEP = ["model=tiny", "backend=portable", "stages=[export,lower_kv,compile]", "
 
 
 def command(tmp_path: Path) -> list[str]:
+    """The sweep, each job asking for a whole node's CPUs (so that the four spread over both nodes whatever
+    nproc is) and 1 GB (a tiny build's; the nodes share this host's memory)."""
+    cpus = min(int(c) for c in subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True,
+                                              check=True).stdout.split())
     return [sys.executable, "-m", "pipeline", "-m", "hydra/launcher=slurm", "hydra.launcher.partition=local",
+            f"hydra.launcher.cpus_per_task={cpus}", "hydra.launcher.mem_gb=1",
             f"output_root={tmp_path / 'out'}", f"cache_dir={tmp_path / 'cache'}", *SWEEP]
 
 
