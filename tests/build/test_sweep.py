@@ -71,7 +71,8 @@ def test_slurm_preset_composes():
         cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert launcher.partition == "gpu" and launcher.timeout_min == 120 and "submitit_folder" in launcher
+    assert launcher.partition == "gpu" and launcher.timeout_min == 60 and "submitit_folder" in launcher
+    assert (launcher.cpus_per_task, launcher.mem_gb) == (1, 4)  # a small cluster's defaults
 
 
 def test_slurm_sweep_without_a_cluster_is_one_line(tmp_path):
