@@ -103,14 +103,16 @@ def test_a_cancelled_job_is_a_row_and_resubmitting_builds_only_its_stages(tmp_pa
     cache holds no half entry and the job no version; the same sweep again builds that job's stages only."""
     sweep = subprocess.Popen(command(tmp_path), cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    deadline, victim = time.monotonic() + 600, None
-    while victim is None and time.monotonic() < deadline:
-        listing = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True).stdout
-        running = dict(line.split() for line in listing.splitlines() if line.strip())
-        victim = next((job for job, state in running.items() if job.endswith("_3") and state == "RUNNING"), None)
-        time.sleep(0.2)
-    assert victim is not None, "job 3 never ran"
-    time.sleep(4)  # past its start: the export is the first job's, its lower_kv and compile take ~10 s
+    # job 3 (kv=cell, max_seqs=2) is cancelled as soon as its build has begun (its .building-* directory exists):
+    # the export is the first job's, its lower_kv and compile take ~10 s here
+    deadline, building = time.monotonic() + 600, []
+    while not building and time.monotonic() < deadline and sweep.poll() is None:
+        building = list((tmp_path / "out" / "default").glob("*kv.max_seqs=2,kv=cell*/.building-*"))
+        time.sleep(0.1)
+    assert building, "job 3 never began its build"
+    listing = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True).stdout
+    victim = next(job for job, state in (line.split() for line in listing.splitlines() if line.strip())
+                  if job.endswith("_3") and state == "RUNNING")
     subprocess.run(["scancel", victim], check=True)
     _, stderr = sweep.communicate(timeout=900)
     # the last line is ours (submitit's warnings above it: sacct has no accounting storage to ask on this cluster)
