@@ -16,7 +16,7 @@ class RopeScaling:
     sequence's length)."""
 
     type: str = "default"  # default | linear | dynamic | llama3 | yarn | longrope
-    factor: float = 1.0  # linear, dynamic, llama3, yarn; longrope: 0 = max_context / original_context
+    factor: float = 1.0  # linear, dynamic, llama3, yarn; longrope: max_position_embeddings / original_context (the readers fill it)
     original_context: int = 0  # the context the model was pretrained on (original_max_position_embeddings)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
