@@ -46,6 +46,12 @@ DRAFT_VISION = ("draft=dflash", "vision=smolvlm_tiny", "kv=sequence", "kv.max_se
 
 
 def pytest_collection_modifyitems(config, items):
+    budgets = os.environ.get("SDPA_VARLEN_BUDGETS_OUT")
+    if budgets:  # bench/gpu_suite.sh: each collected test's compile budget, to balance its shards
+        with open(budgets, "w") as f:
+            for item in items:
+                marker = item.get_closest_marker("compiles")
+                f.write(f"{marker.args[0] if marker else 0} {item.nodeid}\n")
     if os.environ.get("RUN_SLOW"):
         return
     skip = pytest.mark.skip(reason="slow (a real model's build): RUN_SLOW=1 runs it")

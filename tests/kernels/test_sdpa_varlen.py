@@ -26,6 +26,8 @@ try:
 except Exception as exc:  # pragma: no cover - triton is a pinned dependency
     pytest.skip(f"triton cannot be imported: {exc}", allow_module_level=True)
 
+from compile_budget import Counter, enforce  # noqa: E402
+
 from conftest import run_in_fresh_process  # noqa: E402
 from pipeline.kernels import sdpa_varlen as K  # noqa: E402
 from pipeline.kernels.reference import sdpa_varlen_reference  # noqa: E402
@@ -50,6 +52,24 @@ if NATIVE and not torch.cuda.is_available():  # pragma: no cover
 # (conftest.pytest_pyfunc_call); in the fresh process they run.
 needs_kernels = (pytest.mark.in_child_process(run=functools.partial(run_in_fresh_process, __file__)) if _RERUN
                  else pytest.mark.kernels)
+
+
+@pytest.fixture(autouse=True)
+def _compile_budget(request, monkeypatch):
+    """Counts the kernel specialisations the test launches against its ``compiles`` marker
+    (``compile_budget.py``).  ``SDPA_VARLEN_COMPILES_LOG=PATH``: each test's count is appended
+    there instead of checked (to size the budgets)."""
+    counter = Counter()
+    counter.install(monkeypatch, {"plan": K.plan._plan_kernel, "attention": K.attention._sdpa_varlen_fwd})
+    yield
+    log = os.environ.get("SDPA_VARLEN_COMPILES_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{request.node.nodeid} {len(counter.keys)} {counter.per_kernel()}\n")
+        return
+    error = enforce(request.node, counter)
+    if error:
+        pytest.fail(error)
 
 
 @pytest.fixture(autouse=True)
@@ -162,6 +182,7 @@ MIXED = [
 ]
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("causal", [True, False])
@@ -194,6 +215,7 @@ def _item_lengths(args, columns, tuning):
     return (recs[:, int(K.F_KEND)] - recs[:, int(K.F_KSTART)]).tolist(), plan[:K.HDR].tolist(), geo
 
 
+@pytest.mark.compiles(3)
 @needs_kernels
 def test_splits_stay_within_target_ctas():
     """A long decode's splits make at most ``Tuning.target_ctas`` programs (items x KV heads): at
@@ -207,6 +229,7 @@ def test_splits_stay_within_target_ctas():
         assert 0.9 * tuning.target_ctas <= programs <= tuning.target_ctas, f"{hkv} KV heads: {programs} programs"
 
 
+@pytest.mark.compiles(3)
 @needs_kernels
 def test_item_cap():
     """Tuning.item_cap: a block between one and two nominal chunks (visible keys / target items),
@@ -231,12 +254,14 @@ def test_item_cap():
             K.Tuning(item_cap=bad)
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 def test_default_tuning_no_split():
     args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=3)
     check(args, 5, True, 0, expect_split=False)
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dtypes_dv(dtype):
@@ -246,6 +271,7 @@ def test_dtypes_dv(dtype):
     check(args, 2, True, 0, expect_split=True, **SMALL)
 
 
+@pytest.mark.compiles(4)
 @needs_kernels
 @pytest.mark.parametrize("window", [0, 1, 20])
 def test_long_prefill_blocks_and_window(window):
@@ -258,6 +284,7 @@ def test_long_prefill_blocks_and_window(window):
     check(args, 2, False, window, **SMALL)
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gap", [0, 6])
@@ -292,6 +319,7 @@ def test_key_tile_across_the_ring_wrap(causal, gap):
     assert (blk[int(K.F_POS1)] == blk[int(K.F_POS0)] + blk[int(K.F_N0)]) == (gap == 0)  # one run of positions
 
 
+@pytest.mark.compiles(4)
 @needs_kernels
 def test_long_launch_order():
     """The long launch runs its items last to first (``Tuning.longest_first``): the same output,
@@ -310,6 +338,7 @@ def test_long_launch_order():
     assert n_split >= 2 and torch.equal(last_first, in_order)
 
 
+@pytest.mark.compiles(7)
 @needs_kernels
 @pytest.mark.parametrize("long_m", [0, 32])
 def test_blocks_cut_from_each_run_start(long_m):
@@ -358,6 +387,7 @@ def test_long_blocks_launch_skipped_by_the_token_bound():
         K.Tuning(long_block_m=24)
 
 
+@pytest.mark.compiles(3)
 @needs_kernels
 @pytest.mark.parametrize("trial", range(6))  # one test each: the GPU suite's shards compile them side by side
 def test_fuzz(trial):
@@ -386,6 +416,7 @@ def test_fuzz(trial):
                                      long_min_tokens=0, longest_first=trial != 4))
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 def test_registered_op_and_fake():
     args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=5)
@@ -404,20 +435,25 @@ NATIVE_CASES += [(128, torch.bfloat16, 4, 4), (128, torch.bfloat16, 32, 8)]
 
 
 @pytest.mark.skipif(not NATIVE, reason="compiled-kernel test: set SDPA_VARLEN_NATIVE=1 on a CUDA machine")
-@pytest.mark.parametrize("d,dtype,hq,hkv", NATIVE_CASES)
-def test_native_head_dims(d, dtype, hq, hkv):
+@pytest.mark.compiles(4)
+@pytest.mark.parametrize("case", range(len(NATIVE_CASES)),
+                         ids=[f"d{d}-{str(t)[6:]}-{hq}x{hkv}" for d, t, hq, hkv in NATIVE_CASES])
+def test_native_head_dims(case):
+    """Each head dim, dtype and grouping compiled for the GPU, in two specialisations of each kernel
+    (~20 s of compile each): causal with a window, unsplit, and split blocks (a Tuning of many short items)
+    under one of causal or not, alternating over the cases, so that across them every head dim and
+    dtype meets both masks' code and the split + merge path."""
+    d, dtype, hq, hkv = NATIVE_CASES[case]
     seqs = [dict(col=5, n_keys=700, start_row=600, first_pos=31, n_q=150),  # prefill chunk, wrapped
             dict(col=0, n_keys=1000, start_row=0, first_pos=0, n_q=1),
             dict(col=2, n_keys=333, start_row=900, first_pos=5, n_q=16),  # draft block, wrapped
             dict(col=3, n_keys=0, n_q=1, q_first=3)]
     args = make_step(seqs, columns=6, rows=1024, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=d + hq)
-    combos = [(True, 0), (False, 0), (True, 100)] if dtype != torch.float32 else [(True, 100)]
-    for causal, window in combos:
-        check(args, 6, causal, window)
-        check(args, 6, causal, window, expect_split=True if window == 0 else None,
-              tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64))
+    check(args, 6, True, 100)
+    check(args, 6, case % 2 == 0, 0, expect_split=True, tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64))
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 def test_export_keeps_op():
     args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=5)
@@ -432,6 +468,7 @@ def test_export_keeps_op():
 
 
 @pytest.mark.skipif(not NATIVE, reason="inductor codegen of the Triton kernels needs CUDA")
+@pytest.mark.compiles(2)  # Inductor compiles its own copies of the two kernels (not counted by the fixture; weighed for the shards)
 def test_native_torch_compile_dynamic():
     # inductor traces into the triton_op (as AOTInductor does): symbolic T in the grid
     fn = torch.compile(lambda *a: torch.ops.kvcache.sdpa_varlen_triton(*a, 6, 0.1, True, 0), dynamic=True, fullgraph=True)
@@ -444,6 +481,7 @@ def test_native_torch_compile_dynamic():
         assert (out.double().cpu() - ref).abs().max().item() <= TOL[torch.bfloat16]
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 def test_planned_ops_match_one_call():
     """plan + attend (what lower_kv emits for CUDA) computes exactly what the one-call op does."""
@@ -460,6 +498,7 @@ def test_planned_ops_match_one_call():
     assert fplan.shape == plan.shape and fplan.dtype == plan.dtype
 
 
+@pytest.mark.compiles(2)
 @needs_kernels
 @pytest.mark.parametrize("per_load,group", [(1, 0), (2, 0), (4, 0), (1, 3), (2, 2), (2, 3)])
 def test_merge_of_many_splits(per_load, group):
@@ -515,6 +554,7 @@ def _with_episode_tuning(module) -> int:
     return swapped
 
 
+@pytest.mark.compiles(6)
 @needs_kernels
 @pytest.mark.skipif(NATIVE, reason="CPU interpreter test; on a GPU the pipeline's validate stage does this")
 def test_cuda_lowering_runs_an_episode(tmp_path):
