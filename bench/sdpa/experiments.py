@@ -9,7 +9,7 @@ from bench.sdpa.ours import PLAN_REPS, ours_calls, plan_only, plan_times, run_ou
 from bench.sdpa.removed import REMOVED_AT, removed_paths_package
 from bench.sdpa.timing import log, time_fn
 from bench.sdpa.versions import load_module
-from bench.sdpa.workloads import small_cases, sweep_cases
+from bench.sdpa.workloads import small_cases, sweep_cases, wave_cases
 from pipeline.kernels import sdpa_varlen as K
 from pipeline.kernels.sdpa_varlen import attention as K_attention
 
@@ -39,6 +39,15 @@ SWEEP = [
     ("item cap", "dec", [dict(item_cap=1.5), dict(item_cap=0.0), dict(item_cap=1.25), dict(item_cap=1.0)], None),
     ("descriptor loads", "all", [dict(tma_paths=0), dict(tma_paths=7), dict(tma_paths=6), dict(tma_paths=4)],
      REMOVED_PATHS),
+    # issue 42: split sizes for one wave (fewer, longer items for small decodes), draft blocks' splits,
+    # merge loads and tiles, the long (prefill) blocks' key tile
+    ("one wave", "wave", [dict(target_ctas=264), dict(target_ctas=132), dict(target_ctas=132, min_chunk=512),
+                          dict(target_ctas=66, min_chunk=1024), dict(item_cap=1.25)], None),
+    ("draft splits", "draft", [dict(min_chunk_multi=1024), dict(min_chunk_multi=2048), dict(merge_tile=16384),
+                               dict(min_chunk_multi=512)], None),
+    ("draft tile", "draft", [dict(pre_block_n=64), dict(pre_block_n=128, pre_stages=2), dict(pre_warps=8)], None),
+    ("prefill tile", "prefill", [dict(long_block_n=64), dict(long_block_n=128, long_stages=2), dict(long_stages=4),
+                                 dict(long_block_n=128, long_stages=3)], None),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)], None),
 ]
@@ -66,7 +75,7 @@ def sweep(groups=None):
         if groups and group not in groups:
             continue
         cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "plan": dec_cases + pre_cases,
-                 "small": small_cases()}[which]
+                 "small": small_cases(), "wave": wave_cases(), "draft": pre_cases[:3], "prefill": pre_cases[3:]}[which]
         mod = load_variant(package)
         best, best_t, ref = None, float("inf"), {}
         for var in variants:

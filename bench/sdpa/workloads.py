@@ -151,3 +151,14 @@ def small_cases():
             Work("decode 64/8 B=1 L=32k", 64, 8, 128, [(32768, 1, 0)], True),
             Work("decode 32/8 B=16 L=8k", 32, 8, 128, [(8192, 1, 0)] * 16, True),
             Work("draft16 32/8 B=4 L=8k", 32, 8, 128, [(8192, 16, 0)] * 4, False)]
+
+
+def wave_cases():
+    """Small decodes (where the splits' count and length decide) and a skewed one, for the one-wave group."""
+    hq, hkv, d = HEADS[0]
+    lens16 = lognormal_lengths(16, 8192, 4 * 8192)
+    return [Work("decode B=1 L=32k", hq, hkv, d, [(32768, 1, 0)], True),
+            Work("decode B=1 L=8k", hq, hkv, d, [(8192, 1, 0)], True),
+            Work("decode B=4 L=2k", hq, hkv, d, [(2048, 1, 0)] * 4, True),
+            Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
+            Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16))]
