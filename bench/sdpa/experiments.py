@@ -16,6 +16,7 @@ from pipeline.kernels.sdpa_varlen import attention as K_attention
 # A group that times the paths since removed from ours (off by default, no win measured: two launches,
 # the merge launch, descriptor loads) loads the kernel package of bench/sdpa/removed.py's commit.
 REMOVED_PATHS = "removed paths"
+ADOPT_MARGIN = 0.02  # a variant displaces its group's first only if 2% faster on the mean of its cases
 
 # the sweep: groups of variants of Tuning, each group on top of the winners of the groups before (each
 # group's first variant is the running choice, the reference of its ratios).  A group with a package times
@@ -67,7 +68,8 @@ def _variant_tuning(mod, chosen, var):
 def sweep(groups=None):
     """Each group's variants timed on its cases (decode; multi-token; all; "plan": the plan
     alone on all) on top of the winners of the groups before; the lowest sum of time ratios to
-    the group's first wins."""
+    the group's first wins, a later variant only by more than ADOPT_MARGIN of it (its mean ratio below
+    1 - ADOPT_MARGIN): a run's noise does not change the running choice."""
     dec_cases, pre_cases = sweep_cases()
     chosen = K.Tuning()
     lines = []
@@ -96,7 +98,7 @@ def sweep(groups=None):
             where = f" ({package} of {REMOVED_AT})" if package else ""
             log(f"sweep {group}{where} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
             lines.append(f"| {group}{where} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
-            if tot < best_t:
+            if best is None or tot < min(best_t, len(cases) * (1 - ADOPT_MARGIN)):
                 best, best_t = tuning, tot
         if mod is None:
             chosen = best or chosen
