@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py [--quick] [--sweep] [--profile] [--out PATH]
                                                   [--compare OLD_MODULE.py|OLD_DIR] [--plan-compare [OLD]]
+                                                  [--step | --step-only] [--layers 16 32] [--step-flex CASE ...]
 
 Times (median over CUDA-graph replays, K/V rotated over several buffers so the working set
 is far above L2) our kernel on the column store [rows * columns, Hkv, D] and, on the same
@@ -16,16 +17,20 @@ variants of ``Tuning`` first (reported; the table uses the defaults); its groups
 from ours (two launches, the merge launch, descriptor loads) time the package that still has them
 (``bench/sdpa/removed.py``: e06a1ce's, from git history).  ``--plan-compare`` times the plan alone (16
 launches per graph and 1), beside an earlier version's (what ``--compare`` takes) if given.
+``--step`` then times a model's decode step (``bench/sdpa/step.py``): the plan once + L attends
+(``--layers``), beside each peer's L calls with its per-step setup, each step one CUDA graph, in the
+same time budget; ``--step-only`` skips the per-call table.
 
 Parts: ``bench/sdpa/timing.py`` (graph timing), ``workloads.py`` (cases), ``ours.py`` (our
 calls as timed), ``peers.py``, ``versions.py`` (earlier versions of the kernel, for ``--compare`` /
 ``--plan-compare``, and the sweep's variants), ``experiments.py`` (sweep, plan alone, profile),
-``report.py`` (the markdown, with the issue's goals marked met or not).
+``step.py`` (the model-level step), ``report.py`` (the markdown, with the issue's goals marked met or not).
 """
 
 import argparse
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -36,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.sdpa import peers, report  # noqa: E402
 from bench.sdpa.experiments import plan_section, profile, sweep  # noqa: E402
 from bench.sdpa.ours import ours_calls, run_ours  # noqa: E402
+from bench.sdpa.step import LAYERS, STEP_FLEX, case_name, row_line, run_case, step_cases  # noqa: E402
 from bench.sdpa.timing import DEV, DT, GB, log, n_rot, time_fn  # noqa: E402
 from bench.sdpa.versions import load_module  # noqa: E402
 from bench.sdpa.workloads import FLEX_CASES, Work, build_cases  # noqa: E402
@@ -77,6 +83,23 @@ def numerics(hq, hkv, d, n_keys, n_q, B):
 
 
 
+def step_table(args, step: dict, tuning: K.Tuning, t_start: float, write_report) -> None:
+    """The model-level step table: every case started within the budget, its rows (one per L) logged
+    and the report rewritten after each; the cases not started are listed as not run."""
+    layers = tuple(args.layers)
+    log(f"step table: L in {layers}, Flex on {sorted(step['flex']) or 'none'}")
+    for kind, w in step_cases():
+        name, t0 = case_name(w), time.time()
+        if t0 - t_start > args.budget_s:
+            step["skipped"].append(name)
+            continue
+        for r in run_case(kind, w, layers, flex=name in step["flex"] or w.name in step["flex"], tuning=tuning,
+                          prior=step["rows"]):
+            step["rows"].append(r)
+            log(f"[{time.time() - t_start:6.1f}s] {row_line(r)}  ({time.time() - t0:.1f}s)")
+            write_report()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a dozen cases (those of the issue's goals among them)")
@@ -92,6 +115,11 @@ def main():
                     help="the plan alone on the sweep cases (16 and 1 launches per graph), beside an earlier version's "
                          "(a .py file or a package directory, as --compare) if given")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new cases after this many seconds")
+    ap.add_argument("--step", action="store_true", help="after the per-call table: the model-level step table (plan once + L attends)")
+    ap.add_argument("--step-only", action="store_true", help="the step table alone (no per-call table or numerics)")
+    ap.add_argument("--layers", type=int, nargs="+", default=list(LAYERS), help="with --step: the layers per step (default 16 32)")
+    ap.add_argument("--step-flex", nargs="*", default=list(STEP_FLEX), metavar="CASE",
+                    help="with --step: the cases Flex is timed on (a compile per shape; --no-flex: none)")
     args = ap.parse_args()
     t_start = time.time()
     torch.manual_seed(0)
@@ -114,19 +142,21 @@ def main():
     sweep_result = sweep(args.sweep_group) if args.sweep else None
     table_tuning = sweep_result[0] if (args.adopt and sweep_result) else K.Tuning()
     rows, skipped, num = [], [], []
+    step = dict(rows=[], skipped=[], flex=set() if args.no_flex else set(args.step_flex)) if args.step or args.step_only else None
 
     def write_report(final: bool = False) -> str:
         """The report so far, written after every row: a run cut short keeps what it measured."""
-        text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + " ".join(sys.argv[1:]), prop=prop,
+        text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + shlex.join(sys.argv[1:]), prop=prop,
                                read_tbs=read_tbs, mm_tf=mm_tf, rows=rows, num=num, compare=args.compare,
                                sweep=sweep_result, table_tuning=table_tuning, profile=profile_lines, plan=plan_lines, skipped=skipped,
-                               budget_s=args.budget_s, wall_s=time.time() - t_start, final=final)
+                               budget_s=args.budget_s, wall_s=time.time() - t_start, final=final, step=step,
+                               per_call=not args.step_only)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
         return text
 
-    cases = [] if args.sweep_only else build_cases(args.quick)
+    cases = [] if args.sweep_only or args.step_only else build_cases(args.quick)
     log(f"{len(cases)} cases; ours timed with {table_tuning}")
     for kind, w in cases:
         t0 = time.time()
@@ -177,7 +207,7 @@ def main():
         write_report()
 
     log("numerics ...")
-    for hq, hkv, d, n, nq, b in [(32, 8, 128, 8192, 1, 4), (32, 8, 128, 2048, 512, 1), (16, 2, 256, 4096, 16, 2)]:
+    for hq, hkv, d, n, nq, b in [] if args.step_only else [(32, 8, 128, 8192, 1, 4), (32, 8, 128, 2048, 512, 1), (16, 2, 256, 4096, 16, 2)]:
         try:
             eo, ep = numerics(hq, hkv, d, n, nq, b)
             num.append((f"{hq}/{hkv} D{d} B={b} keys={n} q/seq={nq}", eo, ep))
@@ -185,6 +215,8 @@ def main():
         except Exception as e:  # noqa: BLE001
             log(f"  numerics failed: {type(e).__name__}: {e}")
 
+    if step is not None:
+        step_table(args, step, table_tuning, t_start, write_report)
     log(write_report(True))
 
 

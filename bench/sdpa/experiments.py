@@ -47,7 +47,7 @@ SWEEP = [
     ("draft splits", "draft", [dict(min_chunk_multi=1024), dict(min_chunk_multi=2048), dict(merge_tile=16384),
                                dict(merge_group=4), dict(min_chunk_multi=512)], None),
     ("draft tile", "draft", [dict(pre_block_n=64), dict(pre_block_n=128, pre_stages=2), dict(pre_warps=8)], None),
-    ("prefill tile", "prefill", [dict(long_block_n=64), dict(long_block_n=128, long_stages=2), dict(long_stages=4),
+    ("prefill tile", "prefill", [dict(long_block_n=64), dict(long_block_n=128, long_stages=2),
                                  dict(long_block_n=128, long_stages=3)], None),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)], None),
