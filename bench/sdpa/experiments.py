@@ -43,7 +43,8 @@ SWEEP = [
     # issue 42: split sizes for one wave (fewer, longer items for small decodes), draft blocks' splits,
     # merge loads and tiles, the long (prefill) blocks' key tile
     ("one wave", "wave", [dict(target_ctas=264), dict(target_ctas=132), dict(target_ctas=132, min_chunk=512),
-                          dict(target_ctas=66, min_chunk=1024), dict(item_cap=1.25)], None),
+                          dict(target_ctas=66, min_chunk=1024), dict(target_ctas=66, min_chunk=1024, dec_stages=4),
+                          dict(item_cap=1.25)], None),
     ("draft splits", "draft", [dict(min_chunk_multi=1024), dict(min_chunk_multi=2048), dict(merge_tile=16384),
                                dict(merge_group=4), dict(min_chunk_multi=512)], None),
     ("draft tile", "draft", [dict(pre_block_n=64), dict(pre_block_n=128, pre_stages=2), dict(pre_warps=8)], None),
