@@ -319,6 +319,21 @@ def test_key_tile_across_the_ring_wrap(causal, gap):
     assert (blk[int(K.F_POS1)] == blk[int(K.F_POS0)] + blk[int(K.F_N0)]) == (gap == 0)  # one run of positions
 
 
+def test_long_stages_fit_shared_memory(monkeypatch):
+    """The long launch's depth is the Tuning's where the device's shared memory per program holds its
+    tiles (a Hopper GPU's 227 KiB: 3 stages of 128-key tiles), one stage fewer on an A100's 163 KiB;
+    no device figure (the interpreter): the Tuning's."""
+    import types
+
+    geo = K.geometry(4096, 4, 32, 8, 128, 128, 2, K.Tuning())
+    assert geo.long_launch and geo.bn_long == 128 and geo.block_m_long == 128 and geo.long_stages == 3
+    q = types.SimpleNamespace(is_cuda=True, device="cuda:0", element_size=lambda: 2)
+    for optin, stages in [(232448, 3), (166912, 2), (90000, 1), (None, 3)]:
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda _dev, optin=optin: types.SimpleNamespace(shared_memory_per_block_optin=optin))
+        assert K.attention._long_stages(q, geo, 128, 128) == stages, optin
+
+
 @pytest.mark.compiles(4)
 @needs_kernels
 def test_long_launch_order():

@@ -232,6 +232,20 @@ def interpreted() -> bool:
     return type(_sdpa_varlen_fwd).__name__ == "InterpretedFunction"
 
 
+def _long_stages(q: Tensor, geo: Geometry, d: int, dv: int) -> int:
+    """The long launch's pipelining depth that fits the device's shared memory: its Q tile and
+    ``stages`` K and V tiles (Tuning's 128 x 128 tiles at depth 3 take 224 KiB, which a Hopper
+    GPU's 227 KiB per program holds and an A100's 163 KiB does not: there one stage fewer)."""
+    props = torch.cuda.get_device_properties(q.device) if q.is_cuda else None
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if not limit:  # the interpreter, or no figure to go by
+        return geo.long_stages
+    for stages in range(geo.long_stages, 1, -1):
+        if (geo.block_m_long * d + stages * geo.bn_long * (d + dv)) * q.element_size() <= limit:
+            return stages
+    return 1
+
+
 def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, columns: int,
                 scale: float, causal: bool, window: int, geo: Geometry, launch=None) -> Tensor:
     """Attention of one layer along a plan from ``plan_impl``: one launch, a second for the long
@@ -247,6 +261,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     k_store = k_store if k_store.stride(-1) == 1 else k_store.contiguous()
     v_store = v_store if v_store.stride(-1) == 1 else v_store.contiguous()
     out = q.new_empty(n_tok, hq, dv)
+    long_stages = _long_stages(q, geo, d, dv) if geo.long_launch else geo.long_stages
     part_o = torch.empty(geo.target_items * hkv * geo.part_rows * dv, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(geo.target_items * hkv * geo.part_rows * 2, dtype=torch.float32, device=q.device)
     args = (q, k_store, v_store, out, plan, part_o, part_ml,
@@ -256,7 +271,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     consts = dict(G=geo.g, G_PAD=geo.g_pad, D=d, DV=dv, BLOCK_M=geo.block_m, BLOCK_M_LONG=geo.block_m_long,
                   TOKB_SHORT=geo.tokb_short, PART_ROWS=geo.part_rows, M_DEC=geo.m_dec,
                   BN_DEC=geo.bn_dec, BN_PRE=geo.bn_pre, BN_LONG=geo.bn_long, DEC_STAGES=geo.dec_stages,
-                  PRE_STAGES=geo.pre_stages, LONG_STAGES=geo.long_stages,
+                  PRE_STAGES=geo.pre_stages, LONG_STAGES=long_stages,
                   SPL_DEC=geo.spl_dec, SPL_PRE=geo.spl_pre, SPL_LONG=geo.spl_long, CAUSAL=causal, HAS_WINDOW=window > 0,
                   IEEE=q.dtype == torch.float32, UPCAST=interpreted() and q.dtype == torch.bfloat16, NBF_=NBF,
                   MERGE_GROUP=geo.merge_group or _ONE_LEVEL)
@@ -264,7 +279,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     # (paths, warps, stages) of each launch; every launch reads the whole plan and skips the other paths' items
     launches = [(3, geo.pre_warps, max(geo.dec_stages, geo.pre_stages))]
     if geo.long_launch:
-        launches.append((4, geo.long_warps, geo.long_stages))
+        launches.append((4, geo.long_warps, long_stages))
     for paths, warps, stages in launches:
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, PATHS=paths, REVERSE=paths == 4 and geo.longest_first,
                                      num_warps=warps, num_stages=stages)

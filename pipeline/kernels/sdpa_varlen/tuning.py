@@ -25,7 +25,8 @@ class Tuning:
     pre_stages: int = 3  # pipelining depth of the multi-token key loops
     long_block_m: int = 128  # rows of the tile of a *long* block (more tokens than a pre_block_m tile holds), in a
     # launch of its own on long_warps warps; 0 (or <= pre_block_m): no long blocks, runs cut at pre_block_m rows
-    long_block_n: int = 64  # keys per tile of a long block
+    long_block_n: int = 128  # keys per tile of a long block (with long_stages=3: 224 KiB of shared memory, Hopper's;
+    # attention.py takes a stage off where the device has less)
     long_stages: int = 3  # pipelining depth of the long blocks' key loops
     long_warps: int = 8  # warps of the long blocks' launch
     long_min_tokens: int = 256  # long blocks only in steps whose token count may exceed this (a static bound from the
