@@ -50,6 +50,8 @@ SWEEP = [
     ("draft tile", "draft", [dict(pre_block_n=64), dict(pre_block_n=128, pre_stages=2), dict(pre_warps=8)], None),
     ("prefill tile", "prefill", [dict(long_block_n=64), dict(long_block_n=128, long_stages=2),
                                  dict(long_block_n=128, long_stages=3)], None),
+    ("draft warps", "draft", [dict(noncausal_warps=8), dict(noncausal_warps=4),
+                              dict(noncausal_warps=4, min_chunk_multi=1024)], None),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)], None),
 ]

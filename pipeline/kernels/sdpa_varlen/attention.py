@@ -277,7 +277,7 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
                   MERGE_GROUP=geo.merge_group or _ONE_LEVEL)
     grid = (geo.w_max, hkv)
     # (paths, warps, stages) of each launch; every launch reads the whole plan and skips the other paths' items
-    launches = [(3, geo.pre_warps, max(geo.dec_stages, geo.pre_stages))]
+    launches = [(3, geo.pre_warps if causal else geo.noncausal_warps, max(geo.dec_stages, geo.pre_stages))]
     if geo.long_launch:
         launches.append((4, geo.long_warps, long_stages))
     for paths, warps, stages in launches:

@@ -34,13 +34,15 @@ class Tuning:
     longest_first: bool = True  # the long launch runs the plan's items last to first: a causal prefill's longest
     # blocks first, its short ones in the launch's tail
     pre_warps: int = 4  # warps of the launch of decode and multi-token blocks
+    noncausal_warps: int = 8  # that launch's warps in a non-causal call: a draft model's blocks of queries, each a
+    # 64-row tile (the issue-42 sweep on an H100: draft16 B=4 L=8k 72.0 -> 61.5 us); causal calls (decodes) keep pre_warps
     target_ctas: int = 264  # ~2 programs per SM of a 132-SM GPU (H200): the splits aim at this many, never more
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     item_cap: float = 1.5  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
     # at), besides the split in proportion to each block's share, which leaves a block of up to twice the nominal chunk
     # whole: a long sequence among short ones is cut (skewed steps), where the step's items then stay within one wave
     # (target items).  0: no cap
-    min_chunk_multi: int = 1024  # shortest split of a multi-token block (its partials are block_m rows)
+    min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
     merge_tile: int = 8192  # fp32 partial elements per load of the merge
     merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
     plan_warps: int = 8  # most warps of the plan kernel (one program)
@@ -61,7 +63,7 @@ class Tuning:
             raise ValueError(f"Tuning.item_cap={self.item_cap}: 0 (off) or a number from 1 to 1000 is allowed")
         if self.long_min_tokens < 0:
             raise ValueError(f"Tuning.long_min_tokens={self.long_min_tokens}: a non-negative integer is allowed")
-        for name in ("dec_stages", "pre_stages", "long_stages", "pre_warps", "long_warps", "target_ctas",
+        for name in ("dec_stages", "pre_stages", "long_stages", "pre_warps", "noncausal_warps", "long_warps", "target_ctas",
                      "min_chunk", "min_chunk_multi", "merge_tile", "plan_warps", "plan_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Tuning.{name}={getattr(self, name)}: a positive integer is allowed")
@@ -98,6 +100,7 @@ class Geometry:
     pre_stages: int
     long_stages: int
     pre_warps: int
+    noncausal_warps: int
     long_warps: int
     merge_group: int
     min_chunk: int
@@ -180,7 +183,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         dec_stages=min(tuning.dec_stages, 2) if wide else tuning.dec_stages,
         pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages,
         long_stages=min(tuning.long_stages, 2) if wide else tuning.long_stages,
-        pre_warps=tuning.pre_warps, long_warps=tuning.long_warps, merge_group=tuning.merge_group,
+        pre_warps=tuning.pre_warps, noncausal_warps=tuning.noncausal_warps, long_warps=tuning.long_warps, merge_group=tuning.merge_group,
         min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
         spl_long=_splits_per_load(block_m_long, dv, tuning.merge_tile),
