@@ -217,7 +217,7 @@ def test_health_answers_while_a_long_prompt_is_prefilled(server, client):
 
 
 def test_the_queue_limit_refuses_and_timeouts_end_requests_cleanly(chat_artifact, tmp_path):
-    with running_server(chat_artifact, tmp_path, "--max-queue", "1", "--request-timeout", "4") as s:
+    with running_server(chat_artifact, tmp_path, "--max-queue", "1", "--request-timeout", "2") as s:
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1200, "temperature": 0, "stream": True}
         results = {}
 
