@@ -247,3 +247,22 @@ def test_bench_sweep_groups_name_fields(monkeypatch):
             assert all(getattr(tuning, k) == v for k, v in var.items()), (group, var)
             if mod:  # the running choice's fields carried into the variant's Tuning
                 assert tuning.item_cap == chosen.item_cap and tuning.min_chunk == chosen.min_chunk, (group, var)
+
+
+def test_bench_sweep_choice_and_guards(monkeypatch):
+    """The sweep's choice of a group's winner (``experiments.choose``): the running choice stays unless
+    a variant is more than 2% faster on the mean of the group's cases and slows no guard case (another
+    path's) by more than 3%. The guard is what call 1 of issue 42 lacked: ``pre_warps=8`` won the drafts
+    (sum 2.752 of 3) and slowed the decodes sharing its launch from 24.5 to 36.5 µs."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.sdpa.experiments import choose
+
+    same = {"decode B=1 L=8k": 24.5, "prefill 2k hist 8k": 650.0}
+    assert choose([3.0, 2.97], [same, same], 3) == 0  # within the noise margin
+    assert choose([3.0, 2.7], [same, same], 3) == 1
+    assert choose([3.0, 2.752], [same, dict(same, **{"decode B=1 L=8k": 36.5})], 3) == 0  # a guard 49% slower
+    assert choose([3.0, 2.752], [same, dict(same, **{"decode B=1 L=8k": 25.0})], 3) == 1  # 2% slower: allowed
+    assert choose([3.0, 2.5], [same, {"prefill 2k hist 8k": 650.0}], 3) == 0  # a guard that failed
+    assert choose([3.0, float("inf")], [same, same], 3) == 0
+    assert choose([3.0, 2.8, 2.6], [same, same, same], 3) == 2
+    assert choose([float("inf"), 2.9], [{}, {}], 3) == 1  # the first failed: any finite variant wins

@@ -9,7 +9,7 @@ from bench.sdpa.ours import PLAN_REPS, ours_calls, plan_only, plan_times, run_ou
 from bench.sdpa.removed import REMOVED_AT, removed_paths_package
 from bench.sdpa.timing import log, time_fn
 from bench.sdpa.versions import load_module
-from bench.sdpa.workloads import small_cases, sweep_cases, wave_cases
+from bench.sdpa.workloads import guard_cases, small_cases, sweep_cases, wave_cases
 from pipeline.kernels import sdpa_varlen as K
 from pipeline.kernels.sdpa_varlen import attention as K_attention
 
@@ -17,6 +17,7 @@ from pipeline.kernels.sdpa_varlen import attention as K_attention
 # the merge launch, descriptor loads) loads the kernel package of bench/sdpa/removed.py's commit.
 REMOVED_PATHS = "removed paths"
 ADOPT_MARGIN = 0.02  # a variant displaces its group's first only if 2% faster on the mean of its cases
+GUARD_MARGIN = 0.03  # ... and slows none of the guard cases (the other paths') by more than 3%
 
 # the sweep: groups of variants of Tuning, each group on top of the winners of the groups before (each
 # group's first variant is the running choice, the reference of its ratios).  A group with a package times
@@ -68,11 +69,35 @@ def _variant_tuning(mod, chosen, var):
     return mod.Tuning(**{**{k: v for k, v in dataclasses.asdict(chosen).items() if k in fields}, **var})
 
 
+def choose(totals: list[float], guards: list[dict[str, float]], n_cases: int) -> int:
+    """The index of a group's winner among its variants (the first is the running choice): the lowest
+    sum of time ratios to the first over the group's cases, a later variant only when it is below
+    ``n_cases * (1 - ADOPT_MARGIN)`` (so a run's noise does not move the choice) and when it slows no
+    guard case (µs per case, ``guards[i]``) by more than GUARD_MARGIN against the first: a knob that
+    helps the group's path cannot be adopted at the cost of another path sharing its launch."""
+    best = 0
+    for i in range(1, len(totals)):
+        slower = any(t > guards[0][name] * (1 + GUARD_MARGIN) for name, t in guards[i].items() if name in guards[0])
+        missing = set(guards[0]) - set(guards[i])  # a guard case that failed under the variant
+        if not slower and not missing and totals[i] < min(totals[best], n_cases * (1 - ADOPT_MARGIN)):
+            best = i
+    return best
+
+
+def _time(w, which, mod, tuning) -> float:
+    if which == "plan":  # the plan alone
+        return time_fn([plan_only(w, tuning)] * PLAN_REPS)
+    return run_ours(w, mod=mod, tuning=tuning)[0]
+
+
+def _line(w, us) -> str:
+    return f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF"
+
+
 def sweep(groups=None):
     """Each group's variants timed on its cases (decode; multi-token; all; "plan": the plan
-    alone on all) on top of the winners of the groups before; the lowest sum of time ratios to
-    the group's first wins, a later variant only by more than ADOPT_MARGIN of it (its mean ratio below
-    1 - ADOPT_MARGIN): a run's noise does not change the running choice."""
+    alone on all) and on the guard cases of the other paths (``guard_cases``), on top of the winners
+    of the groups before; ``choose`` picks each group's winner."""
     dec_cases, pre_cases = sweep_cases()
     chosen = K.Tuning()
     lines = []
@@ -81,30 +106,33 @@ def sweep(groups=None):
             continue
         cases = {"dec": dec_cases, "pre": pre_cases, "all": dec_cases + pre_cases, "plan": dec_cases + pre_cases,
                  "small": small_cases(), "wave": wave_cases(), "draft": pre_cases[:3], "prefill": pre_cases[3:]}[which]
+        guards = [] if which == "plan" else [g for g in guard_cases() if g.name not in {w.name for w in cases}]
         mod = load_variant(package)
-        best, best_t, ref = None, float("inf"), {}
+        tunings, totals, guard_us, ref = [], [], [], {}
         for var in variants:
             tuning = _variant_tuning(mod, chosen, var) if mod else dataclasses.replace(chosen, **var)
-            line, tot = [], 0.0
-            for w in cases:
+            line, tot, gus = [], 0.0, {}
+            for w in cases + guards:
                 try:
-                    if which == "plan":  # the plan alone
-                        us = time_fn([plan_only(w, tuning)] * PLAN_REPS)
+                    us = _time(w, which, mod, tuning)
+                    if w in guards:
+                        gus[w.name] = us
+                        line.append("guard " + _line(w, us))
                     else:
-                        us = run_ours(w, mod=mod, tuning=tuning)[0]
-                    tot += us / ref.setdefault(w.name, us)
-                    line.append(f"{w.name}: {us:8.1f} us {w.bytes / us / 1e6:5.2f} TB/s {w.flops / us / 1e6:6.1f} TF")
+                        tot += us / ref.setdefault(w.name, us)
+                        line.append(_line(w, us))
                 except Exception as e:  # noqa: BLE001  (the variant is out: reported, never chosen)
-                    tot = float("inf")
+                    tot = tot if w in guards else float("inf")
                     line.append(f"{w.name}: err {type(e).__name__} {str(e)[:120]}")
                 torch.cuda.empty_cache()
+            tunings.append(tuning)
+            totals.append(tot)
+            guard_us.append(gus)
             where = f" ({package} of {REMOVED_AT})" if package else ""
             log(f"sweep {group}{where} {var}: sum of ratios {tot:.3f} | " + " | ".join(line))
             lines.append(f"| {group}{where} `{var}` | {tot:.3f} | " + "; ".join(x.replace("|", "/") for x in line) + " |")
-            if best is None or tot < min(best_t, len(cases) * (1 - ADOPT_MARGIN)):
-                best, best_t = tuning, tot
-        if mod is None:
-            chosen = best or chosen
+        if mod is None and tunings:
+            chosen = tunings[choose(totals, guard_us, len(cases))]
     log(f"fastest on the sweep cases: {chosen}; defaults: {K.Tuning()}")
     return chosen, K.Tuning(), lines
 

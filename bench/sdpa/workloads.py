@@ -162,3 +162,12 @@ def wave_cases():
             Work("decode B=4 L=2k", hq, hkv, d, [(2048, 1, 0)] * 4, True),
             Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
             Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16))]
+
+
+def guard_cases():
+    """One case per path of the attention launches (a small decode, a draft block, a prefill chunk):
+    a sweep group times those of the other paths too, and a variant that slows one is not adopted."""
+    hq, hkv, d = HEADS[0]
+    return [Work("decode B=1 L=8k", hq, hkv, d, [(8192, 1, 0)], True),
+            Work("draft16 B=4 L=8k", hq, hkv, d, [(8192, 16, 0)] * 4, False),
+            Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True)]
