@@ -144,6 +144,8 @@ def main():
     rows, skipped, num = [], [], []
     step = dict(rows=[], skipped=[], flex=set() if args.no_flex else set(args.step_flex)) if args.step or args.step_only else None
 
+    history = report.kept_history(args.out)  # the file's sections after its report (earlier sweeps, tuning history)
+
     def write_report(final: bool = False) -> str:
         """The report so far, written after every row: a run cut short keeps what it measured."""
         text = report.markdown(cmd="PYTHONUNBUFFERED=1 python bench/sdpa_varlen.py " + shlex.join(sys.argv[1:]), prop=prop,
@@ -153,7 +155,7 @@ def main():
                                per_call=not args.step_only)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            f.write(text)
+            f.write(text + history)
         return text
 
     cases = [] if args.sweep_only or args.step_only else build_cases(args.quick)

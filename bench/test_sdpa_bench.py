@@ -266,3 +266,17 @@ def test_bench_sweep_choice_and_guards(monkeypatch):
     assert choose([3.0, float("inf")], [same, same], 3) == 0
     assert choose([3.0, 2.8, 2.6], [same, same, same], 3) == 2
     assert choose([float("inf"), 2.9], [{}, {}], 3) == 1  # the first failed: any finite variant wins
+
+
+def test_bench_report_keeps_the_history(monkeypatch, tmp_path):
+    """Rewriting the report file keeps its sections after the report (earlier sweeps, the tuning
+    history): ``report.kept_history`` is written below every new report."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.sdpa.report import kept_history
+
+    path = tmp_path / "benchmarks_gpu_sdpa.md"
+    assert kept_history(str(path)) == ""
+    path.write_text("# sdpa_varlen (Triton) on GPU\n\n## Goals\n\n| a |\n")
+    assert kept_history(str(path)) == ""
+    path.write_text("# sdpa_varlen (Triton) on GPU\n\n## Goals\n\n| a |\n\n# Tuning history\n\n| field | why |\n")
+    assert kept_history(str(path)) == "\n# Tuning history\n\n| field | why |\n"

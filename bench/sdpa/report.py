@@ -233,3 +233,15 @@ def markdown(*, cmd, prop, read_tbs, mm_tf, rows, num, compare, sweep, table_tun
     md += ["", f"Total bench wall time: {wall_s:.0f} s" if final else
            f"**Partial report**: the run had measured the rows above after {wall_s:.0f} s and did not finish."]
     return "\n".join(md) + "\n"
+
+
+def kept_history(path: str) -> str:
+    """What an existing report file holds after its report: every top-level section past the first
+    (earlier sweeps, the tuning history), kept below the new report when it is rewritten."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    at = text.find("\n# ", 1)
+    return "\n" + text[at:].lstrip("\n") if at >= 0 else ""
