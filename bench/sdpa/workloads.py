@@ -154,20 +154,16 @@ def small_cases():
 
 
 def wave_cases():
-    """Small decodes (where the splits' count and length decide) and a skewed one, for the one-wave group."""
+    """Small decodes (where the splits' count and length decide) and a skewed one, for the one-wave group:
+    the decode sweep's B=1 L=32k, B=16 L=8k and skewed B=16 cases and two smaller ones."""
     hq, hkv, d = HEADS[0]
-    lens16 = lognormal_lengths(16, 8192, 4 * 8192)
-    return [Work("decode B=1 L=32k", hq, hkv, d, [(32768, 1, 0)], True),
-            Work("decode B=1 L=8k", hq, hkv, d, [(8192, 1, 0)], True),
-            Work("decode B=4 L=2k", hq, hkv, d, [(2048, 1, 0)] * 4, True),
-            Work("decode B=16 L=8k", hq, hkv, d, [(8192, 1, 0)] * 16, True),
-            Work("skewed B=16 L~8k", hq, hkv, d, [(n, 1, 0) for n in lens16], True, rows=max(lens16))]
+    dec, _ = sweep_cases()
+    return [dec[0], Work("decode B=1 L=8k", hq, hkv, d, [(8192, 1, 0)], True),
+            Work("decode B=4 L=2k", hq, hkv, d, [(2048, 1, 0)] * 4, True), dec[2], dec[5]]
 
 
 def guard_cases():
     """One case per path of the attention launches (a small decode, a draft block, a prefill chunk):
     a sweep group times those of the other paths too, and a variant that slows one is not adopted."""
-    hq, hkv, d = HEADS[0]
-    return [Work("decode B=1 L=8k", hq, hkv, d, [(8192, 1, 0)], True),
-            Work("draft16 B=4 L=8k", hq, hkv, d, [(8192, 16, 0)] * 4, False),
-            Work("prefill 2k hist 8k", hq, hkv, d, [(10240, 2048, 0)], True)]
+    _, pre = sweep_cases()
+    return [wave_cases()[1], pre[0], pre[3]]

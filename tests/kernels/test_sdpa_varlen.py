@@ -327,11 +327,13 @@ def test_long_stages_fit_shared_memory(monkeypatch):
 
     geo = K.geometry(4096, 4, 32, 8, 128, 128, 2, K.Tuning())
     assert geo.long_launch and geo.bn_long == 128 and geo.block_m_long == 128 and geo.long_stages == 3
-    q = types.SimpleNamespace(is_cuda=True, device="cuda:0", element_size=lambda: 2)
+    q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda:0"), element_size=lambda: 2)
     for optin, stages in [(232448, 3), (166912, 2), (90000, 1), (None, 3)]:
+        K.attention._shared_memory_per_program.cache_clear()  # read once per device: a new device each time here
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda _dev, optin=optin: types.SimpleNamespace(shared_memory_per_block_optin=optin))
         assert K.attention._long_stages(q, geo, 128, 128) == stages, optin
+    K.attention._shared_memory_per_program.cache_clear()
 
 
 @pytest.mark.compiles(4)

@@ -22,6 +22,8 @@ Scores, softmax and accumulation are fp32; P is cast to V's dtype for the second
 in FlashAttention).  A query that sees no key gets zeros.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -232,12 +234,17 @@ def interpreted() -> bool:
     return type(_sdpa_varlen_fwd).__name__ == "InterpretedFunction"
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_memory_per_program(index: int | None) -> int | None:
+    """The device's shared memory per program (opt-in), once per device; None where torch does not say."""
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
 def _long_stages(q: Tensor, geo: Geometry, d: int, dv: int) -> int:
     """The long launch's pipelining depth that fits the device's shared memory: its Q tile and
     ``stages`` K and V tiles (Tuning's 128 x 128 tiles at depth 3 take 224 KiB, which a Hopper
     GPU's 227 KiB per program holds and an A100's 163 KiB does not: there one stage fewer)."""
-    props = torch.cuda.get_device_properties(q.device) if q.is_cuda else None
-    limit = getattr(props, "shared_memory_per_block_optin", None)
+    limit = _shared_memory_per_program(q.device.index) if q.is_cuda else None
     if not limit:  # the interpreter, or no figure to go by
         return geo.long_stages
     for stages in range(geo.long_stages, 1, -1):

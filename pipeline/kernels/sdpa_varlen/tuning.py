@@ -35,7 +35,7 @@ class Tuning:
     # blocks first, its short ones in the launch's tail
     pre_warps: int = 4  # warps of the launch of decode and multi-token blocks
     noncausal_warps: int = 8  # that launch's warps in a non-causal call: a draft model's blocks of queries, each a
-    # 64-row tile (the issue-42 sweep on an H100: draft16 B=4 L=8k 72.0 -> 61.5 us); causal calls (decodes) keep pre_warps
+    # 64-row tile; causal calls (decodes, which 8 warps slow) keep pre_warps
     target_ctas: int = 264  # ~2 programs per SM of a 132-SM GPU (H200): the splits aim at this many, never more
     min_chunk: int = 256  # shortest split of a decode block (keys; rounded up to the key tile)
     item_cap: float = 1.5  # > 0: no item longer than item_cap x the step's nominal chunk (visible keys / items aimed
