@@ -53,6 +53,10 @@ SWEEP = [
                                  dict(long_block_n=128, long_stages=3)], None),
     ("draft warps", "draft", [dict(noncausal_warps=8), dict(noncausal_warps=4),
                               dict(noncausal_warps=4, min_chunk_multi=1024)], None),
+    # issue 42, fourth session: split decode blocks merged by a launch of their own (the fused merge's ticket
+    # and one-program merge ran ~8 µs at B=1, bench/sdpa/probe.py), its columns over 1, 4 or 8 programs
+    ("decode merge", "wave", [dict(dec_merge_launch=True), dict(dec_merge_launch=False),
+                              dict(dec_merge_split=8), dict(dec_merge_split=1)], None),
     ("plan warps", "plan", [dict(plan_lanes=4), dict(plan_lanes=2), dict(plan_lanes=1), dict(plan_lanes=1, plan_warps=16),
                             dict(plan_lanes=8)], None),
 ]

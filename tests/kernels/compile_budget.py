@@ -1,5 +1,5 @@
 """The compile budget of a kernel test: how many specialisations of the ``sdpa_varlen`` kernels
-(``_plan_kernel`` and ``_sdpa_varlen_fwd``) it launches.
+(``_plan_kernel``, ``_sdpa_varlen_fwd`` and the decode merge launch ``_merge_split_list``) it launches.
 
 On a GPU each specialisation is one Triton compile (~10-20 s of one core for sm_90), so this count
 is what a test costs the native suite (``bench/gpu_suite.sh``).  Every test that launches the kernels

@@ -60,7 +60,8 @@ def _compile_budget(request, monkeypatch):
     (``compile_budget.py``).  ``SDPA_VARLEN_COMPILES_LOG=PATH``: each test's count is appended
     there instead of checked (to size the budgets)."""
     counter = Counter()
-    counter.install(monkeypatch, {"plan": K.plan._plan_kernel, "attention": K.attention._sdpa_varlen_fwd})
+    counter.install(monkeypatch, {"plan": K.plan._plan_kernel, "attention": K.attention._sdpa_varlen_fwd,
+                                  "merge": K.merge._merge_split_list})
     yield
     log = os.environ.get("SDPA_VARLEN_COMPILES_LOG")
     if log:
@@ -182,7 +183,7 @@ MIXED = [
 ]
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2)])
 @pytest.mark.parametrize("causal", [True, False])
@@ -229,7 +230,7 @@ def test_splits_stay_within_target_ctas():
         assert 0.9 * tuning.target_ctas <= programs <= tuning.target_ctas, f"{hkv} KV heads: {programs} programs"
 
 
-@pytest.mark.compiles(3)
+@pytest.mark.compiles(4)
 @needs_kernels
 def test_item_cap():
     """Tuning.item_cap: a block between one and two nominal chunks (visible keys / target items),
@@ -254,14 +255,14 @@ def test_item_cap():
             K.Tuning(item_cap=bad)
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 def test_default_tuning_no_split():
     args = make_step(MIXED, columns=5, rows=48, hq=4, hkv=2, d=16, seed=3)
     check(args, 5, True, 0, expect_split=False)
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dtypes_dv(dtype):
@@ -271,7 +272,7 @@ def test_dtypes_dv(dtype):
     check(args, 2, True, 0, expect_split=True, **SMALL)
 
 
-@pytest.mark.compiles(4)
+@pytest.mark.compiles(5)
 @needs_kernels
 @pytest.mark.parametrize("window", [0, 1, 20])
 def test_long_prefill_blocks_and_window(window):
@@ -284,7 +285,7 @@ def test_long_prefill_blocks_and_window(window):
     check(args, 2, False, window, **SMALL)
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gap", [0, 6])
@@ -336,7 +337,7 @@ def test_long_stages_fit_shared_memory(monkeypatch):
     K.attention._shared_memory_per_program.cache_clear()
 
 
-@pytest.mark.compiles(4)
+@pytest.mark.compiles(5)
 @needs_kernels
 def test_long_launch_order():
     """The long launch runs its items last to first (``Tuning.longest_first``): the same output,
@@ -355,7 +356,7 @@ def test_long_launch_order():
     assert n_split >= 2 and torch.equal(last_first, in_order)
 
 
-@pytest.mark.compiles(7)
+@pytest.mark.compiles(8)
 @needs_kernels
 @pytest.mark.parametrize("long_m", [0, 32])
 def test_blocks_cut_from_each_run_start(long_m):
@@ -404,7 +405,7 @@ def test_long_blocks_launch_skipped_by_the_token_bound():
         K.Tuning(long_block_m=24)
 
 
-@pytest.mark.compiles(3)
+@pytest.mark.compiles(4)
 @needs_kernels
 @pytest.mark.parametrize("trial", range(6))  # one test each: the GPU suite's shards compile them side by side
 def test_fuzz(trial):
@@ -433,7 +434,7 @@ def test_fuzz(trial):
                                      long_min_tokens=0, longest_first=trial != 4))
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 def test_registered_op_and_fake():
     args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=5)
@@ -452,12 +453,13 @@ NATIVE_CASES += [(128, torch.bfloat16, 4, 4), (128, torch.bfloat16, 32, 8)]
 
 
 @pytest.mark.skipif(not NATIVE, reason="compiled-kernel test: set SDPA_VARLEN_NATIVE=1 on a CUDA machine")
-@pytest.mark.compiles(4)
+@pytest.mark.compiles(6)
 @pytest.mark.parametrize("case", range(len(NATIVE_CASES)),
                          ids=[f"d{d}-{str(t)[6:]}-{hq}x{hkv}" for d, t, hq, hkv in NATIVE_CASES])
 def test_native_head_dims(case):
     """Each head dim, dtype and grouping compiled for the GPU, in two specialisations of each kernel
-    (~20 s of compile each): causal with a window, unsplit, and split blocks (a Tuning of many short items)
+    (~20 s of compile each; the decode merge launch's, a small kernel, for the causal calls): causal
+    with a window, unsplit, and split blocks (a Tuning of many short items)
     under one of causal or not, alternating over the cases, so that across them every head dim and
     dtype meets both masks' code and the split + merge path."""
     d, dtype, hq, hkv = NATIVE_CASES[case]
@@ -470,7 +472,7 @@ def test_native_head_dims(case):
     check(args, 6, case % 2 == 0, 0, expect_split=True, tuning=K.Tuning(target_ctas=512, min_chunk=64, min_chunk_multi=64))
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 def test_export_keeps_op():
     args = make_step(MIXED[:2], columns=5, rows=48, hq=4, hkv=2, d=16, seed=5)
@@ -485,7 +487,7 @@ def test_export_keeps_op():
 
 
 @pytest.mark.skipif(not NATIVE, reason="inductor codegen of the Triton kernels needs CUDA")
-@pytest.mark.compiles(2)  # Inductor compiles its own copies of the two kernels (not counted by the fixture; weighed for the shards)
+@pytest.mark.compiles(2)  # Inductor compiles its own copies of the kernels (not counted by the fixture; weighed for the shards)
 def test_native_torch_compile_dynamic():
     # inductor traces into the triton_op (as AOTInductor does): symbolic T in the grid
     fn = torch.compile(lambda *a: torch.ops.kvcache.sdpa_varlen_triton(*a, 6, 0.1, True, 0), dynamic=True, fullgraph=True)
@@ -498,7 +500,7 @@ def test_native_torch_compile_dynamic():
         assert (out.double().cpu() - ref).abs().max().item() <= TOL[torch.bfloat16]
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 def test_planned_ops_match_one_call():
     """plan + attend (what lower_kv emits for CUDA) computes exactly what the one-call op does."""
@@ -515,16 +517,17 @@ def test_planned_ops_match_one_call():
     assert fplan.shape == plan.shape and fplan.dtype == plan.dtype
 
 
-@pytest.mark.compiles(2)
+@pytest.mark.compiles(3)
 @needs_kernels
 @pytest.mark.parametrize("per_load,group", [(1, 0), (2, 0), (4, 0), (1, 3), (2, 2), (2, 3)])
 def test_merge_of_many_splits(per_load, group):
-    """A long sequence split many times, merged by the last of its items to finish, a few
+    """A long sequence split many times, merged by the last of its items to finish (the fused merge:
+    a non-causal call's decode blocks and every multi-token block; here the decode block too), a few
     splits per load (odd remainders included); splits in proportion to each block's keys; with
     ``group``, in two levels (groups of that many items, then the groups; a short last group)."""
     # per_load splits per merge load for G_PAD=2, 16 columns
     tuning = K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16,
-                      merge_tile=per_load * 2 * 16, merge_group=group)
+                      merge_tile=per_load * 2 * 16, merge_group=group, dec_merge_launch=False)
     seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
             dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3)]
     args = make_step(seqs, columns=2, rows=320, hq=4, hkv=2, d=16, seed=4 + per_load)
@@ -542,6 +545,36 @@ def test_merge_of_many_splits(per_load, group):
     assert geo.spl_dec == per_load
     tickets = plan[geo.tickets_off: geo.tickets_off + geo.n_tickets]
     assert int(tickets.abs().sum()) == 0, "every merge ticket is back to zero after the launch"
+
+
+
+@pytest.mark.compiles(5)
+@needs_kernels
+@pytest.mark.parametrize("per_load,split", [(1, 1), (2, 2), (64, 1)])
+def test_decode_merge_launch(per_load, split):
+    """A causal call's split one-token blocks are merged by the merge launch after the attention
+    launch (``Tuning.dec_merge_launch``), from the plan's split list: every split decode block listed
+    once with its first token, items and first partial slot; a few partials per load and the columns
+    over ``split`` programs; the multi-token block beside them keeps the fused merge."""
+    tuning = K.Tuning(dec_block_n=16, pre_block_n=16, target_ctas=64, min_chunk=16, min_chunk_multi=16,
+                      merge_tile=per_load * 2 * 32 // split, dec_merge_split=split)
+    seqs = [dict(col=1, n_keys=300, start_row=250, first_pos=0, n_q=1),
+            dict(col=0, n_keys=150, start_row=0, first_pos=0, n_q=3),
+            dict(col=3, n_keys=200, start_row=40, first_pos=9, n_q=1),
+            dict(col=2, n_keys=20, start_row=0, first_pos=0, n_q=1)]  # too short to split
+    args = make_step(seqs, columns=4, rows=320, hq=4, hkv=2, d=32, seed=11 + per_load)
+    _, _, n_split = check(args, 4, True, 0, expect_split=True, tuning=tuning)
+    assert n_split == 3, "the two long decode blocks and the multi-token block split"
+    geo = K.geometry_of(args[0], args[1], args[2], 4, tuning)
+    assert geo.dec_merge_split == split and geo.spl_merge == per_load
+    plan = K.sdpa_varlen_triton_impl(*args, 4, 0.25, True, 0, return_plan=True, tuning=tuning)[1].cpu()
+    blocks = [plan[K.HDR + b * K.NBF: K.HDR + (b + 1) * K.NBF].tolist() for b in range(int(plan[int(K.H_BLOCKS)]))]
+    want = sorted((b[int(K.F_TOK0)], b[int(K.F_NSPLIT)], b[int(K.F_PSLOT0)]) for b in blocks
+                  if b[int(K.F_NTOK)] == 1 and b[int(K.F_NSPLIT)] > 1)
+    n_listed = int(plan[int(K.H_DEC_SPLITS)])
+    listed = [plan[geo.list_off + i * K.LIST_WORDS: geo.list_off + i * K.LIST_WORDS + 3].tolist() for i in range(n_listed)]
+    assert len(want) == 2 and sorted(tuple(e) for e in listed) == want, (listed, want)
+    check(args, 4, False, 0, expect_split=True, tuning=tuning)  # non-causal: every block on the fused merge
 
 
 # The episode's tuning: few programs per launch (the interpreter is slow; the registered ops' Tuning()
@@ -571,7 +604,7 @@ def _with_episode_tuning(module) -> int:
     return swapped
 
 
-@pytest.mark.compiles(6)
+@pytest.mark.compiles(7)
 @needs_kernels
 @pytest.mark.skipif(NATIVE, reason="CPU interpreter test; on a GPU the pipeline's validate stage does this")
 def test_cuda_lowering_runs_an_episode(tmp_path):

@@ -48,7 +48,7 @@ from .layout import (
     H_ITEMS,
     NBF,
 )
-from .merge import _merge_last, _merge_rows
+from .merge import _merge_last, _merge_rows, _merge_split_list
 from .tiles import _kv_tiles
 from .tuning import Geometry
 
@@ -65,7 +65,7 @@ def _attend(
     M: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BN: tl.constexpr, PM: tl.constexpr, STAGES: tl.constexpr, MULTI: tl.constexpr, SPL: tl.constexpr,
     MERGE_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr,
+    UPCAST: tl.constexpr, MERGE_GROUP: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     """One item for KV head h: keys [kstart, kend) of the block's key index against an M-row
     query tile.  MULTI: several query tokens, whose causal / window bounds differ per row; a
@@ -129,34 +129,36 @@ def _attend(
         inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         op = out + tok.to(tl.int64)[:, None] * stride_ot + qhead[:, None] * stride_oh + offs_dv[None, :]
         tl.store(op, (acc * inv[:, None]).to(out.dtype.element_ty), mask=rvalid[:, None])
-    else:  # one of several: write partials; the last of the block's items to finish merges
+    else:  # one of several: write partials; the last of the block's items to finish merges (FUSED_MERGE),
+        # or the merge launch after this one (``merge._merge_split_list``)
         hkv = tl.num_programs(1)
         base = ((pslot0 + split).to(tl.int64) * hkv + h) * PM
         tl.store(part_o + (base + r)[:, None] * DV + offs_dv[None, :], acc, mask=rvalid[:, None])
         tl.store(part_ml + (base + r) * 2, m_i, mask=rvalid)
         tl.store(part_ml + (base + r) * 2 + 1, l_i, mask=rvalid)
-        tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
-        if nsplit <= MERGE_GROUP:  # one level (MERGE_GROUP is _ONE_LEVEL where Tuning.merge_group is 0)
-            _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
-                        G, G_PAD, DV, PM, MERGE_R, SPL)
-        else:
-            # two levels: the last item of each group of MERGE_GROUP merges the group into the
-            # group's first slot; the last group to finish merges the groups (slot stride MERGE_GROUP).
-            # Tickets: a group's at its first slot, the block's at slot pslot0 + 1 (never a group's).
-            first = (split // MERGE_GROUP) * MERGE_GROUP
-            gticket = tickets + (pslot0 + first) * hkv + h
-            if tl.atomic_add(gticket, 1, sem="acq_rel", scope="gpu") == tl.minimum(MERGE_GROUP, nsplit - first) - 1:
-                _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok,
-                            tl.minimum(MERGE_GROUP, nsplit - first), pslot0 + first, 1, pslot0 + first, 0,
+        if FUSED_MERGE:  # (a constexpr: without it, the partials wait for the merge launch)
+            tl.debug_barrier()  # every thread's partials are written before the ticket (released with it)
+            if nsplit <= MERGE_GROUP:  # one level (MERGE_GROUP is _ONE_LEVEL where Tuning.merge_group is 0)
+                _merge_last(out, part_o, part_ml, tickets, stride_ot, stride_oh, h, hkv, tok0, ntok, nsplit, pslot0,
                             G, G_PAD, DV, PM, MERGE_R, SPL)
-                tl.atomic_xchg(gticket, 0, sem="relaxed", scope="gpu")
-                tl.debug_barrier()  # the group's partial is written before the block's ticket
-                bticket = tickets + (pslot0 + 1) * hkv + h
-                n_groups = (nsplit + MERGE_GROUP - 1) // MERGE_GROUP
-                if tl.atomic_add(bticket, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
-                    _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, n_groups, pslot0,
-                                MERGE_GROUP, -1, 0, G, G_PAD, DV, PM, MERGE_R, SPL)
-                    tl.atomic_xchg(bticket, 0, sem="relaxed", scope="gpu")
+            else:
+                # two levels: the last item of each group of MERGE_GROUP merges the group into the
+                # group's first slot; the last group to finish merges the groups (slot stride MERGE_GROUP).
+                # Tickets: a group's at its first slot, the block's at slot pslot0 + 1 (never a group's).
+                first = (split // MERGE_GROUP) * MERGE_GROUP
+                gticket = tickets + (pslot0 + first) * hkv + h
+                if tl.atomic_add(gticket, 1, sem="acq_rel", scope="gpu") == tl.minimum(MERGE_GROUP, nsplit - first) - 1:
+                    _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok,
+                                tl.minimum(MERGE_GROUP, nsplit - first), pslot0 + first, 1, pslot0 + first, 0,
+                                G, G_PAD, DV, PM, MERGE_R, SPL, 0, DV)
+                    tl.atomic_xchg(gticket, 0, sem="relaxed", scope="gpu")
+                    tl.debug_barrier()  # the group's partial is written before the block's ticket
+                    bticket = tickets + (pslot0 + 1) * hkv + h
+                    n_groups = (nsplit + MERGE_GROUP - 1) // MERGE_GROUP
+                    if tl.atomic_add(bticket, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+                        _merge_rows(out, part_o, part_ml, stride_ot, stride_oh, h, hkv, tok0, ntok, n_groups, pslot0,
+                                    MERGE_GROUP, -1, 0, G, G_PAD, DV, PM, MERGE_R, SPL, 0, DV)
+                        tl.atomic_xchg(bticket, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -171,6 +173,7 @@ def _sdpa_varlen_fwd(
     SPL_DEC: tl.constexpr, SPL_PRE: tl.constexpr, SPL_LONG: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     NBF_: tl.constexpr, PATHS: tl.constexpr, MERGE_GROUP: tl.constexpr, REVERSE: tl.constexpr,
+    DEC_MERGE_LAUNCH: tl.constexpr,
 ):
     """The items of the paths in PATHS (a bit mask): 1 decode blocks (one token), 2
     multi-token blocks of at most TOKB_SHORT tokens (BLOCK_M-row tiles), 4 long blocks (more
@@ -211,7 +214,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         M_DEC, G, G_PAD, D, DV, BN_DEC, PART_ROWS, DEC_STAGES, False, SPL_DEC, G_PAD,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, not DEC_MERGE_LAUNCH)
         elif ntok <= TOKB_SHORT:
             if PATHS & 2:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
@@ -219,7 +222,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M, G, G_PAD, D, DV, BN_PRE, PART_ROWS, PRE_STAGES, True, SPL_PRE, BLOCK_M,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True)
         else:
             if PATHS & 4:
                 _attend(q, k, v, out, part_o, part_ml, tickets,
@@ -227,7 +230,7 @@ def _sdpa_varlen_fwd(
                         h, col, columns, tok0, ntok, qpos0, row0, n0, pos0, row1, n1, pos1, kstart, kend, nsplit,
                         pslot0, split, scale_log2, window,
                         BLOCK_M_LONG, G, G_PAD, D, DV, BN_LONG, PART_ROWS, LONG_STAGES, True, SPL_LONG, BLOCK_M_LONG,
-                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP)
+                        CAUSAL, HAS_WINDOW, IEEE, UPCAST, MERGE_GROUP, True)
 
 
 def interpreted() -> bool:
@@ -287,7 +290,12 @@ def attend_impl(q: Tensor, k_store: Tensor, v_store: Tensor, plan: Tensor, colum
     launches = [(3, geo.pre_warps if causal else geo.noncausal_warps, max(geo.dec_stages, geo.pre_stages))]
     if geo.long_launch:
         launches.append((4, geo.long_warps, long_stages))
+    merge_launch = causal and geo.dec_merge_launch  # a non-causal call's one-token blocks keep the fused merge
     for paths, warps, stages in launches:
         wrap(_sdpa_varlen_fwd)[grid](*args, **consts, PATHS=paths, REVERSE=paths == 4 and geo.longest_first,
-                                     num_warps=warps, num_stages=stages)
+                                     DEC_MERGE_LAUNCH=merge_launch, num_warps=warps, num_stages=stages)
+        if paths == 3 and merge_launch:
+            wrap(_merge_split_list)[(geo.list_len, hkv, geo.dec_merge_split)](
+                out, plan, part_o, part_ml, out.stride(0), out.stride(1), geo.list_off, G=geo.g, G_PAD=geo.g_pad,
+                DV=dv, PM=geo.part_rows, SPL=geo.spl_merge, DVW=dv // geo.dec_merge_split, num_warps=4, num_stages=1)
     return out

@@ -12,11 +12,12 @@ equal items, ``n`` in proportion to the block's share of the step's visible keys
 shorter than ``min_chunk`` keys (``min_chunk_multi`` for multi-token blocks) and, where the
 step's items then stay within ``target_items``, none longer than ``Tuning.item_cap`` nominal
 chunks (a long sequence among short ones is cut).  It writes one self-contained record per
-item and zeroes the merge tickets.  The number of blocks is bounded from shapes by
+item, zeroes the merge tickets and lists the split one-token blocks (the split list, for the
+decode merge launch: ``Tuning.dec_merge_launch``).  The number of blocks is bounded from shapes by
 ``min(T, T // TOKB + 2 * min(T, columns) + 1)``; this holds when each sequence's tokens are
 contiguous in q (the contract).
 
-The plan is int32 words: [header | blocks | item marks | merge tickets | item records], its
+The plan is int32 words: [header | blocks | item marks | merge tickets | split list | item records], its
 fields named once in ``layout.py``; ``tuning.geometry`` gives the offsets of the parts.
 """
 
@@ -44,11 +45,16 @@ from .layout import (
     F_TOK0,
     H_BLOCKS,
     H_CHUNK,
+    H_DEC_SPLITS,
     H_ITEMS,
     H_PSLOTS,
     H_SPLIT_BLOCKS,
     H_TOTAL,
     HDR,
+    L_NSPLIT,
+    L_PSLOT0,
+    L_TOK0,
+    LIST_WORDS,
     NBF,
 )
 from .tuning import Geometry
@@ -109,7 +115,7 @@ def _block_items(work, multi, total, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI, cap_o
 @triton.jit
 def _plan_kernel(
     q_pos, q_cols, seq_info, plan, col_seg,
-    T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
+    T, S, columns, window, NB_MAX, W_MAX, N_TICKETS, LIST_LEN, TARGET, MIN_CHUNK_K, MIN_CHUNK_MULTI,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, TOKB: tl.constexpr,
     BN: tl.constexpr, CH: tl.constexpr, NBF: tl.constexpr, HDR: tl.constexpr, CAP_PERMILLE: tl.constexpr,
 ):
@@ -117,7 +123,8 @@ def _plan_kernel(
     blk = plan + HDR
     marks = blk + NB_MAX * NBF
     tickets = marks + W_MAX
-    recs = tickets + N_TICKETS
+    split_list = tickets + N_TICKETS
+    recs = split_list + LIST_LEN * LIST_WORDS
     # P0: clear the per-column segment table (slot 0: none yet, the most; slot 1: none, -1), the item
     # marks and the merge tickets.
     for base in range(0, columns, CH):
@@ -222,6 +229,7 @@ def _plan_kernel(
     n_items = tl.full([], 0, tl.int32)
     n_pslots = tl.full([], 0, tl.int32)
     n_split = tl.full([], 0, tl.int32)
+    n_dec_split = tl.full([], 0, tl.int32)
     for base in range(0, nb, CH):
         b = base + offs
         bv = b < nb
@@ -238,6 +246,15 @@ def _plan_kernel(
         tl.store(bp + F_PSLOT0, tl.where(is_split, pstart, -1), mask=bv)
         tl.store(bp + F_CHUNK, chunk, mask=bv)
         tl.store(marks + start, tl.full([CH], 1, tl.int32), mask=bv & (start < W_MAX))
+        # a split one-token block: (first token, items, first partial slot) to the split list
+        dec_split = is_split & ~multi
+        rank = n_dec_split + tl.cumsum(dec_split.to(tl.int32), 0) - 1
+        entry = split_list + rank * LIST_WORDS
+        listed = dec_split & (rank < LIST_LEN)
+        tl.store(entry + L_TOK0, tl.load(bp + F_TOK0, mask=listed, other=0, volatile=True), mask=listed)
+        tl.store(entry + L_NSPLIT, ns, mask=listed)
+        tl.store(entry + L_PSLOT0, pstart, mask=listed)
+        n_dec_split += tl.sum(dec_split.to(tl.int32), 0)
         n_items += tl.sum(ns, 0)
         n_pslots += tl.sum(nsp, 0)
         n_split += tl.sum(is_split.to(tl.int32), 0)
@@ -269,6 +286,7 @@ def _plan_kernel(
     tl.store(plan + H_CHUNK, ((total + TARGET - 1) // TARGET).to(tl.int32))
     tl.store(plan + H_TOTAL, total.to(tl.int32))
     tl.store(plan + H_PSLOTS, n_pslots)
+    tl.store(plan + H_DEC_SPLITS, tl.minimum(n_dec_split, LIST_LEN))
 
 
 def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, causal: bool, window: int,
@@ -281,7 +299,7 @@ def plan_impl(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns: int, cau
     wrap(_plan_kernel)[(1,)](
         q_pos.contiguous(), q_cols.contiguous(), seq_info.contiguous(), plan, col_seg,
         q_pos.shape[0], seq_info.shape[0], columns, window, geo.nb_max, geo.w_max, geo.n_tickets,
-        geo.target_items, geo.min_chunk, geo.min_chunk_multi,
+        geo.list_len, geo.target_items, geo.min_chunk, geo.min_chunk_multi,
         CAUSAL=causal, HAS_WINDOW=window > 0, TOKB=geo.tokb, BN=tile, CH=geo.plan_width,
         NBF=NBF, HDR=HDR, CAP_PERMILLE=geo.item_cap_permille, num_warps=geo.plan_warps,
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import HDR, NBF
+from .layout import HDR, LIST_WORDS, NBF
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class Tuning:
     min_chunk_multi: int = 2048  # shortest split of a multi-token block (its partials are block_m rows)
     merge_tile: int = 8192  # fp32 partial elements per load of the merge
     merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
+    dec_merge_launch: bool = True  # a causal call's split one-token (decode) blocks merged by a launch of their own
+    # after the attention launch (the plan's split list), not by their last item: its ticket and merge chain ran ~8 µs
+    # at B=1 where a merge launch costs ~3 (docs/benchmarks_gpu_sdpa.md); multi-token blocks keep the fused merge
+    dec_merge_split: int = 4  # the merge launch's programs per (block, KV head), each on DV / this columns
     plan_warps: int = 8  # most warps of the plan kernel (one program)
     plan_width: int = 1024  # most lanes of the plan kernel's vectors (its passes go this many at a time)
     plan_lanes: int = 1  # lanes per thread the plan aims at: its warps are width // (32 * plan_lanes), 1 .. plan_warps
@@ -55,7 +59,7 @@ class Tuning:
         if self.long_block_m and (self.long_block_m < 16 or self.long_block_m & (self.long_block_m - 1)):
             raise ValueError(f"Tuning.long_block_m={self.long_block_m}: 0 or a power of two >= 16 is allowed")
         for name, least in (("dec_block_n", 16), ("pre_block_m", 16), ("pre_block_n", 16), ("long_block_n", 16),
-                            ("plan_width", 16)):
+                            ("plan_width", 16), ("dec_merge_split", 1)):
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"Tuning.{name}={value}: a power of two >= {least} is allowed")
@@ -103,6 +107,9 @@ class Geometry:
     noncausal_warps: int
     long_warps: int
     merge_group: int
+    dec_merge_launch: bool
+    dec_merge_split: int  # programs per (block, KV head) of the merge launch: a power of two dividing DV
+    spl_merge: int  # partial slots per load of the merge launch (its DV / dec_merge_split columns)
     min_chunk: int
     min_chunk_multi: int
     spl_dec: int  # partial slots merged per load: decode blocks, multi-token blocks, long blocks
@@ -113,11 +120,17 @@ class Geometry:
     target_items: int  # items the splits aim at (per KV head); also the most partial slots (plan.py, P4)
     item_cap_permille: int  # Tuning.item_cap x 1000 (0: off)
     n_tickets: int  # one merge ticket per (partial slot, KV head)
+    list_len: int  # most split one-token blocks (the split list): each has >= 2 of the target_items partial slots
     nb_max: object  # most blocks
     w_max: object  # most items (the attention grid)
     tickets_off: object  # offsets in the plan (layout.py)
     rec_off: object
     plan_len: object
+
+    @property
+    def list_off(self):
+        """Offset of the split list in the plan (after the merge tickets)."""
+        return self.tickets_off + self.n_tickets
 
     @property
     def part_rows(self) -> int:
@@ -172,7 +185,9 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     target_items = max(1, tuning.target_ctas // hkv)
     w_max = nb_max + target_items  # every block one item, plus at most target_items from splits
     tickets_off = HDR + nb_max * NBF + w_max
-    rec_off = tickets_off + target_items * hkv
+    list_len = max(1, target_items // 2)
+    merge_split = max(1, min(tuning.dec_merge_split, dv // 16))  # >= 16 columns per program
+    rec_off = tickets_off + target_items * hkv + list_len * LIST_WORDS.value
     wide = elem_bytes > 2
     plan_width = _plan_width(n_tok, columns, target_items, tuning)
     return Geometry(
@@ -184,11 +199,12 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
         pre_stages=min(tuning.pre_stages, 2) if wide else tuning.pre_stages,
         long_stages=min(tuning.long_stages, 2) if wide else tuning.long_stages,
         pre_warps=tuning.pre_warps, noncausal_warps=tuning.noncausal_warps, long_warps=tuning.long_warps, merge_group=tuning.merge_group,
-        min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
+        dec_merge_launch=tuning.dec_merge_launch, dec_merge_split=merge_split,
+        spl_merge=_splits_per_load(g_pad, dv // merge_split, tuning.merge_tile), min_chunk=tuning.min_chunk, min_chunk_multi=tuning.min_chunk_multi,
         spl_dec=_splits_per_load(g_pad, dv, tuning.merge_tile), spl_pre=_splits_per_load(block_m, dv, tuning.merge_tile),
         spl_long=_splits_per_load(block_m_long, dv, tuning.merge_tile),
         plan_width=plan_width, plan_warps=max(1, min(tuning.plan_warps, plan_width // (32 * tuning.plan_lanes))),
         target_items=target_items, item_cap_permille=round(tuning.item_cap * 1000),
-        n_tickets=target_items * hkv, nb_max=nb_max, w_max=w_max,
+        n_tickets=target_items * hkv, list_len=list_len, nb_max=nb_max, w_max=w_max,
         tickets_off=tickets_off, rec_off=rec_off, plan_len=rec_off + w_max * NBF,
     )
