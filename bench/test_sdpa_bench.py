@@ -280,3 +280,32 @@ def test_bench_report_keeps_the_history(monkeypatch, tmp_path):
     assert kept_history(str(path)) == ""
     path.write_text("# sdpa_varlen (Triton) on GPU\n\n## Goals\n\n| a |\n\n# Tuning history\n\n| field | why |\n")
     assert kept_history(str(path)) == "\n# Tuning history\n\n| field | why |\n"
+
+
+@needs_kernels
+@pytest.mark.skipif(NATIVE, reason="on a GPU bench/sdpa/probe.py makes these calls itself; the suite is bound by compiles")
+def test_bench_probe_variants(monkeypatch, tmp_path):
+    """``bench/sdpa/probe.py``: every named edit still applies to the kernel's source (each old text
+    found exactly as often as it says) and its package loads and runs; every variant's fields make a
+    valid ``Tuning``, and the variants that are not ablations agree with the float64 reference (here on
+    a small tuning of many splits, so the merges they change run)."""
+    ours, _, workloads = _bench_modules(monkeypatch)
+    from bench.sdpa import probe
+
+    monkeypatch.setattr(probe, "PROBE_DIR", tmp_path)
+    w = workloads.Work("decodes", 4, 2, 32, [(90, 1, 0), (40, 1, 7), (64, 1, 0)], True)
+    inputs = w.ours_inputs(1)
+    q, ((k, v),), q_pos, q_cols, seq_info, cols = inputs
+    r64 = ref64(q, k, v, q_pos, q_cols, seq_info, cols, 1 / math.sqrt(w.d), True, 0)
+    small = dataclasses.asdict(SMALL["tuning"])
+    for name, fields, edit in probe.VARIANTS:
+        assert dataclasses.replace(K.Tuning(), **fields) is not None
+        mod = probe.edited_module(edit) if edit else None
+        tuning = (mod.Tuning if mod else K.Tuning)(**{**small, **fields})
+        out = ours.ours_calls(w, mod=mod, tuning=tuning, inputs=inputs)[0][0]()
+        assert out.shape == q.shape, name
+        if name not in probe.ABLATIONS:
+            err = (out.double().cpu() - r64).abs().max().item()
+            assert err <= TOL[torch.bfloat16], f"{name}: max err vs float64 {err}"
+    for edit in probe.EDITS:  # those no variant uses load too
+        probe.edited_module(edit)

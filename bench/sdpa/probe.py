@@ -12,7 +12,7 @@ SDPA on the same case.
 
 ``--warm I/N`` compiles shard I of N of the variants (run once each, untimed) so that N processes fill
 Triton's cache side by side before the timing process, whose compiles then hit the cache.
-``--ncu-run`` runs ours, the no-merge ablation, the decode merge launch and the peers on the first case eagerly inside an NVTX
+``--ncu-run`` runs ours, the no-merge ablation, the fused decode merge and the peers on the first case eagerly inside an NVTX
 range ``probe`` for Nsight Compute (``ncu --nvtx --nvtx-include probe/``)."""
 
 import argparse
@@ -41,29 +41,32 @@ HQ, HKV, D = HEADS[0]
 EDITS = {
     "no merge": [("attention.py", "            if nsplit <= MERGE_GROUP:  # one level",
                   "            if nsplit > 0:  # probe: partials written, never merged\n                pass\n"
-                  "            elif nsplit <= MERGE_GROUP:  # one level", 1)],
+                  "            elif nsplit <= MERGE_GROUP:  # one level", 1),
+                 ("attention.py", "        if paths == 3 and merge_launch:", "        if False:  # probe: no merge launch", 1)],
     "no keys": [("attention.py", "    kend = tl.load(rp + F_KEND)", "    kend = tl.load(rp + F_KSTART)  # probe: no keys", 1)],
     "record only": [("attention.py", "    if p < n_items:", "    if p + (1 << 30) < n_items:  # probe: nothing past the record",
                      1)],
-    "tickets, no merge loads": [("merge.py", "    for s0 in range(0, ns, SPL):",
+    "no partial reads": [("merge.py", "    for s0 in range(0, ns, SPL):",
                                  "    for s0 in range(0, ns * 0, SPL):  # probe: no partial read", 1)],
     "relaxed tickets": [("attention.py", 'sem="acq_rel"', 'sem="relaxed"', 2),
                         ("merge.py", 'sem="acq_rel"', 'sem="relaxed"', 1)],
 }
 EDITS["no keys, no merge"] = EDITS["no keys"] + EDITS["no merge"]
-# wrong outputs on purpose (relaxed tickets: no ordering of the partials before the merge's reads)
-ABLATIONS = {"no merge", "no keys", "record only", "no keys, no merge", "tickets, no merge loads", "relaxed tickets"}
+# rows with wrong outputs on purpose (relaxed tickets: no ordering of the partials before the merge's reads)
+ABLATIONS = {"no merge", "no keys", "record only", "no keys, no merge", "no partial reads", "fused, relaxed tickets"}
 
 # (row name, Tuning fields, edit name or None)
 VARIANTS = [
     ("ours (defaults)", {}, None),
-    ("decode merge launch (4 programs per block and head)", dict(dec_merge_launch=True), None),
-    ("decode merge launch, 8 programs", dict(dec_merge_launch=True, dec_merge_split=8), None),
-    ("decode merge launch, 1 program", dict(dec_merge_launch=True, dec_merge_split=1), None),
-    ("decode merge launch, min_chunk 512", dict(dec_merge_launch=True, min_chunk=512), None),
-    ("decode merge launch, 8 programs, min_chunk 512", dict(dec_merge_launch=True, dec_merge_split=8, min_chunk=512),
-     None),
+    ("fused decode merge", dict(dec_merge_launch=False), None),
+    ("decode merge launch, 8 programs", dict(dec_merge_split=8), None),
+    ("decode merge launch, 1 program", dict(dec_merge_split=1), None),
+    ("min_chunk 512", dict(min_chunk=512), None),
     ("no merge", {}, "no merge"),
+    ("no partial reads", {}, "no partial reads"),
+    ("fused, relaxed tickets", dict(dec_merge_launch=False), "relaxed tickets"),
+    ("no keys", {}, "no keys"),
+    ("no keys, no merge", {}, "no keys, no merge"),
 ]
 
 
@@ -153,16 +156,16 @@ def run(shard: tuple[int, int] | None) -> list[str]:
 
 
 def ncu_run() -> None:
-    """Ours, the no-merge ablation, the decode merge launch and the peers on the first case, eagerly, after a warm-up, inside
+    """Ours, the no-merge ablation, the fused decode merge and the peers on the first case, eagerly, after a warm-up, inside
     the NVTX range 'probe' (two calls each)."""
     w = cases()[0]
     inputs = w.ours_inputs(1)
     ours = variant_calls(w, inputs, {}, None)[0]
     nomerge = variant_calls(w, inputs, {}, "no merge")[0]
-    launch = variant_calls(w, inputs, dict(dec_merge_launch=True), None)[0]
+    fused = variant_calls(w, inputs, dict(dec_merge_launch=False), None)[0]
     sdpa, et = peers.sdpa_parts(w), peers.et_parts(w)
     sdpa_ctx = sdpa.setup()
-    calls = [ours, nomerge, launch, lambda: sdpa.layer(sdpa_ctx, 0)]
+    calls = [ours, nomerge, fused, lambda: sdpa.layer(sdpa_ctx, 0)]
     if not isinstance(et, str):
         calls.append(lambda: et.layer(None, 0))
     for f in calls:  # compiles and autotuning outside the range
@@ -173,7 +176,7 @@ def ncu_run() -> None:
         f(), f()
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
-    log("ncu-run order: ours x2, no merge x2, decode merge launch x2, padded SDPA x2"
+    log("ncu-run order: ours x2, no merge x2, fused decode merge x2, padded SDPA x2"
         + (", ExecuTorch x2" if len(calls) > 4 else ""))
 
 
