@@ -14,9 +14,12 @@ the causal diagonal or past the item's end (the last ones) evaluate it.  When th
 segments are not one run of positions, every tile is masked.
 
 An unsplit block writes its output.  A split block writes fp32 partials (acc, max, sum) to a
-scratch pool and takes a ticket (an atomic counter per block and KV head in the plan): the
-last of its items to finish merges all the partials with a log-sum-exp, in slot order (so the
-result does not depend on which finished last), and resets the ticket for the next layer.
+scratch pool.  In a causal call a split one-token (decode) block leaves them to the merge launch
+that ``attend_impl`` makes right after this one (``merge._merge_split_list``, over the plan's split
+list; ``Tuning.dec_merge_launch``).  Otherwise the block's items take a ticket (an atomic counter
+per block and KV head in the plan): the last of them to finish merges all the partials with a
+log-sum-exp, in slot order (so the result does not depend on which finished last), and resets
+the ticket for the next layer.
 
 Scores, softmax and accumulation are fp32; P is cast to V's dtype for the second product (as
 in FlashAttention).  A query that sees no key gets zeros.
