@@ -13,7 +13,7 @@ H_SPLIT_BLOCKS = tl.constexpr(2)
 H_CHUNK = tl.constexpr(3)  # visible keys / target items: the nominal split (blocks round it to themselves)
 H_TOTAL = tl.constexpr(4)  # visible keys of the step (per KV head)
 H_PSLOTS = tl.constexpr(5)  # partial slots in use
-H_DEC_SPLITS = tl.constexpr(6)  # split one-token blocks: the entries of the split list (their blocks' indices)
+H_DEC_SPLITS = tl.constexpr(6)  # split one-token blocks: the entries of the split list
 
 NBF = 16
 F_TOK0 = tl.constexpr(0)  # first query token (index into q)

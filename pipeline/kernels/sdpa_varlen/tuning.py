@@ -46,8 +46,8 @@ class Tuning:
     merge_tile: int = 8192  # fp32 partial elements per load of the merge
     merge_group: int = 8  # > 1: a split block merges in two levels, groups of this many items first; 0: one level
     dec_merge_launch: bool = True  # a causal call's split one-token (decode) blocks merged by a launch of their own
-    # after the attention launch (the plan's split list), not by their last item: its ticket and merge chain ran ~8 µs
-    # at B=1 where a merge launch costs ~3 (docs/benchmarks_gpu_sdpa.md); multi-token blocks keep the fused merge
+    # after the attention launch (the plan's split list), not by their last item: that one-program merge ran ~8 µs at
+    # B=1 where the merge launch costs ~4 (docs/benchmarks_gpu_sdpa.md); multi-token blocks keep the fused merge
     dec_merge_split: int = 4  # the merge launch's programs per (block, KV head), each on DV / this columns
     plan_warps: int = 8  # most warps of the plan kernel (one program)
     plan_width: int = 1024  # most lanes of the plan kernel's vectors (its passes go this many at a time)
@@ -187,7 +187,7 @@ def geometry(n_tok, columns: int, hq: int, hkv: int, d: int, dv: int, elem_bytes
     tickets_off = HDR + nb_max * NBF + w_max
     list_len = max(1, target_items // 2)
     merge_split = max(1, min(tuning.dec_merge_split, dv // 16))  # >= 16 columns per program
-    rec_off = tickets_off + target_items * hkv + list_len * LIST_WORDS.value
+    rec_off = tickets_off + target_items * hkv + list_len * LIST_WORDS.value  # after the tickets and the split list
     wide = elem_bytes > 2
     plan_width = _plan_width(n_tok, columns, target_items, tuning)
     return Geometry(
