@@ -73,7 +73,8 @@ def check_overrides(argv: list[str]) -> None:
 
 def check_slurm(argv: list[str]) -> None:
     """A sweep sent to SLURM (``hydra/launcher=slurm``) needs ``sbatch`` and a controller that answers: checked
-    before Hydra writes any job, so that a missing cluster is one line rather than a job submission's traceback."""
+    before Hydra writes any job, so that a missing cluster is one line rather than a job submission's traceback.
+    Its jobs' states are then read where the cluster keeps no accounting too (``build/slurm_state.py``)."""
     if not any(a.lstrip("+") in ("hydra/launcher=slurm", "hydra/launcher=submitit_slurm") for a in argv):
         return
     import shutil
@@ -89,6 +90,9 @@ def check_slurm(argv: list[str]) -> None:
     if proc.returncode != 0:
         reason = _first_line(RuntimeError(proc.stderr)) if proc.stderr.strip() else f"exit {proc.returncode}"
         raise ConfigError(f"hydra/launcher=slurm: slurmctld is not reachable (sinfo: {reason}); {start}")
+    from pipeline.build.slurm_state import watch_without_accounting
+
+    watch_without_accounting()  # a job killed before its result is an error, not a sweep that never returns
 
 
 def _first_line(err: BaseException) -> str:
@@ -127,11 +131,15 @@ def main(hydra_main, argv: list[str]) -> None:
     except Exception as err:
         if not any("hydra/launcher=" in a for a in argv):
             raise
-        # a job's failure as submitit reports it (its first line and the job's own last one); the other jobs of the
-        # sweep go on in their processes or on the cluster, and each writes its row of summary.csv
+        # a job's failure as submitit reports it (its first line and the job's own last one), or a job SLURM killed
+        # before its result, whose row the sweep writes; the sweep's other jobs go on in their processes or on the
+        # cluster, and each writes its row of summary.csv
+        from pipeline.build.slurm_state import record_lost_job
+
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        fail(f"sweep: {lines[0] if lines else type(err).__name__}" + (f" ... {lines[-1]}" if len(lines) > 1 else "")
-             + "; the sweep's other jobs finish on their own and write their rows to its summary.csv")
+        said = record_lost_job(str(err)) or (f"{lines[0] if lines else type(err).__name__}"
+                                             + (f" ... {lines[-1]}" if len(lines) > 1 else ""))
+        fail(f"sweep: {said}; the sweep's other jobs finish on their own and write their rows to its summary.csv")
 
 
 def run_build(cfg: DictConfig) -> None:
@@ -231,22 +239,27 @@ def _seconds(slurm_time: str) -> float:
 
 def _stop_on_sigterm() -> None:
     """submitit ignores SIGTERM in a job (it waits for its own signal to checkpoint): in a build, SIGTERM stops it.
-    The job's record says why: past its time limit (timeout) or not (cancelled: scancel, a node going down)."""
+    The job's record says why: at its time limit (timeout) or before it (cancelled: scancel, a node going down).
+    The limit is read here, at the job's start: after SIGTERM, SLURM kills the job KillWait seconds later, and the
+    cleanup, the row and submitit's result must all fit in them (a job killed before its result is an error the
+    sweep reports, but it has no row)."""
     import signal
     import subprocess
+    import time
+
+    end = float("inf")  # when SLURM's limit ends the job, on this clock; unknown: every SIGTERM is a cancel
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", os.environ["SLURM_JOB_ID"]], capture_output=True,
+                             text=True, timeout=30).stdout
+        fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+        run, limit = _seconds(fields.get("RunTime", "?")), _seconds(fields.get("TimeLimit", "UNLIMITED"))
+        if run < float("inf"):
+            end = time.time() - run + limit
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM may send it again; the cleanup runs once
-        status = "cancelled"
-        try:
-            out = subprocess.run(["scontrol", "show", "job", "-o", os.environ["SLURM_JOB_ID"]], capture_output=True,
-                                 text=True, timeout=10).stdout
-            fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-            if fields.get("JobState") == "TIMEOUT" or _seconds(fields.get("RunTime", "")) >= _seconds(
-                    fields.get("TimeLimit", "UNLIMITED")):
-                status = "timeout"
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        raise KilledBySlurm(status)
+        raise KilledBySlurm("timeout" if time.time() >= end - 1 else "cancelled")  # RunTime counts whole seconds
 
     signal.signal(signal.SIGTERM, stop)

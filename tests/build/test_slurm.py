@@ -6,6 +6,7 @@ import csv
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -114,7 +115,10 @@ def test_a_cancelled_job_is_a_row_and_resubmitting_builds_only_its_stages(tmp_pa
     victim = next(job for job, state in (line.split() for line in listing.splitlines() if line.strip())
                   if job.endswith("_3") and state == "RUNNING")
     subprocess.run(["scancel", victim], check=True)
-    _, stderr = sweep.communicate(timeout=900)
+    try:
+        _, stderr = sweep.communicate(timeout=900)
+    finally:
+        sweep.kill()  # (a no-op once it has ended)
     # the last line is ours (submitit's warnings above it: sacct has no accounting storage to ask on this cluster)
     assert sweep.returncode == 2 and stderr.splitlines()[-1].startswith("error: sweep:"), stderr[-2000:]
     assert "SLURM ended the job (cancelled" in stderr.splitlines()[-1]
@@ -136,3 +140,49 @@ def test_a_cancelled_job_is_a_row_and_resubmitting_builds_only_its_stages(tmp_pa
     assert [r["version"] for r in rows[:3]] == [r["version"] for r in first[:3]]
     assert not list((tmp_path / "out" / "default").glob("*/v0002"))
     assert rows[3]["status"] == "ok" and rows[3]["stages_built"] == "lower_kv compile"
+
+
+def _job_processes(tmp_path: Path) -> list[int]:
+    """The pids of the sweep's job processes (submitit's worker, ``python -u -m submitit.core._submit <folder>``)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if argv[1:4] == ["-u", "-m", "submitit.core._submit"] and argv[4].startswith(str(tmp_path)):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_a_job_killed_before_its_result_ends_the_sweep_with_its_row(tmp_path):
+    """SIGKILL to a job mid-build (as the OOM killer sends it): no cleanup, no result. On this cluster sacct has no
+    accounting to answer with, so submitit alone would wait for the job forever; the sweep asks the controller,
+    ends with the job's error and writes its row (killed, SLURM's state, its log). The next build of the same
+    config removes what the killed one left."""
+    cmd = [*command(tmp_path)[:-2], "kv=sequence", "kv.max_seqs=1"]
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline, building = time.monotonic() + 600, []
+    while not building and time.monotonic() < deadline and sweep.poll() is None:
+        building = list((tmp_path / "out" / "default").glob("*/.building-*"))
+        time.sleep(0.1)
+    assert building, "the job never began its build"
+    (pid,) = _job_processes(tmp_path)
+    os.kill(pid, signal.SIGKILL)
+    try:
+        _, stderr = sweep.communicate(timeout=300)  # without the controller's states it never returned
+    finally:
+        sweep.kill()
+    last = stderr.splitlines()[-1]
+    assert sweep.returncode == 2 and last.startswith("error: sweep: job 0 (backend=portable,kv.max_seqs=1,"), stderr[-2000:]
+    assert "SLURM ended the job without its result (state FAILED" in last and "_0_log.err" in last, last
+    (row,) = summary(tmp_path)
+    assert row["status"] == "killed" and row["version"] == "" and row["error"] in last, row
+    assert row["overrides"] == "backend=portable,kv.max_seqs=1,kv=sequence,model=tiny,stages=[export,lower_kv,compile]"
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    (row,) = summary(tmp_path)
+    assert row["status"] == "ok" and row["version"].endswith("v0001"), row
+    assert not list((tmp_path / "out" / "default").glob("*/.building-*"))
