@@ -52,7 +52,7 @@ SWEEP = [
     ("prefill tile", "prefill", [dict(long_block_n=64), dict(long_block_n=128, long_stages=2),
                                  dict(long_block_n=128, long_stages=3)], None),
     ("draft warps", "draft", [dict(noncausal_warps=8), dict(noncausal_warps=4),
-                              dict(noncausal_warps=4, min_chunk_multi=1024)], None),
+                              dict(noncausal_warps=4, min_chunk_multi=1024), dict(min_chunk_multi=1024)], None),
     # issue 42, fourth session: split decode blocks merged by a launch of their own (the fused merge's ticket
     # and one-program merge ran ~8 µs at B=1, bench/sdpa/probe.py), its columns over 1, 4 or 8 programs
     ("decode merge", "wave", [dict(dec_merge_launch=True), dict(dec_merge_launch=False),

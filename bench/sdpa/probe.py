@@ -12,8 +12,8 @@ SDPA on the same case.
 
 ``--warm I/N`` compiles shard I of N of the variants (run once each, untimed) so that N processes fill
 Triton's cache side by side before the timing process, whose compiles then hit the cache.
-``--timeline`` replays the graphs of ours, the no-merge ablation, the fused decode merge and the peers on the small
-decodes under torch.profiler: each kernel's median duration and the gap before it inside the graph, per call.
+``--timeline`` (instead of the table) replays the graphs of ours, the no-merge ablation, the fused decode merge and
+the peers on the small decodes under torch.profiler: each kernel's median duration and the gap before it.
 ``--ncu-run`` runs ours, the no-merge ablation, the fused decode merge and the peers on the first case eagerly inside an NVTX
 range ``probe`` for Nsight Compute (``ncu --nvtx --nvtx-include probe/``)."""
 
@@ -63,8 +63,6 @@ VARIANTS = [
     ("decode merge launch, 8 programs", dict(dec_merge_split=8), None),
     ("decode merge launch, 1 program", dict(dec_merge_split=1), None),
     ("min_chunk 512", dict(min_chunk=512), None),
-    ("draft splits of 1024 keys", dict(min_chunk_multi=1024), None),
-    ("draft tile 128 keys x 2 stages", dict(pre_block_n=128, pre_stages=2), None),
     ("no merge", {}, "no merge"),
     ("no partial reads", {}, "no partial reads"),
     ("fused, relaxed tickets", dict(dec_merge_launch=False), "relaxed tickets"),
@@ -215,15 +213,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm", help="I/N: compile shard I of N of the variants, untimed")
     ap.add_argument("--out", help="write the table (markdown) here")
-    ap.add_argument("--timeline", action="store_true", help="the small decodes' kernels inside their graphs")
+    ap.add_argument("--timeline", action="store_true", help="the small decodes' kernels inside their graphs, not the table")
     ap.add_argument("--ncu-run", action="store_true")
     a = ap.parse_args()
     if a.ncu_run:
         ncu_run()
         return
     shard = tuple(int(x) for x in a.warm.split("/")) if a.warm else None
-    lines = run(shard) + (["", *timeline()] if a.timeline and shard is None else [])
-    if shard is None:
+    lines = timeline() if a.timeline else run(shard)
+    if shard is None or a.timeline:
         gpu = torch.cuda.get_device_name()
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip() or "(no git here)"
