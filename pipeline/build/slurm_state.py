@@ -39,7 +39,10 @@ def states_from_scontrol(text: str) -> dict[str, dict[str, str]]:
         if "JobId" not in fields or "JobState" not in fields:
             continue
         array, tasks = fields.get("ArrayJobId"), fields.get("ArrayTaskId")
-        keys = [f"{array}_{t}" for t in task_ids(tasks)] if array and tasks and tasks != "N/A" else [fields["JobId"]]
+        try:
+            keys = [f"{array}_{t}" for t in task_ids(tasks)] if array and tasks and tasks != "N/A" else [fields["JobId"]]
+        except ValueError:  # a task list this reader does not know: those jobs' states stay as they were
+            continue
         for key in keys:
             info[key] = {"JobID": key, "State": fields["JobState"], "NodeList": fields.get("NodeList", "")}
     return info

@@ -19,6 +19,7 @@ def test_states_key_tasks_as_submitit_does():
         "JobId=68 ArrayJobId=67 ArrayTaskId=0 JobState=RUNNING NodeList=n1",
         "JobId=69 ArrayJobId=67 ArrayTaskId=1 JobState=FAILED NodeList=n2",
         "JobId=70 JobName=wrap JobState=CANCELLED NodeList=n1",
+        "JobId=71 ArrayJobId=71 ArrayTaskId=a-b JobState=PENDING NodeList=",  # unreadable: left out, not fatal
         "",
     ])
     info = states_from_scontrol(text)
