@@ -1,6 +1,6 @@
 """Where a small decode's time goes: our kernel beside *ablations* of it and the peers, same run.
 
-    PYTHONUNBUFFERED=1 python -m bench.sdpa.probe [--warm I/N] [--out PATH] [--timeline] [--ncu-run]
+    PYTHONUNBUFFERED=1 python -m bench.sdpa.probe [--warm I/N] [--out PATH] [--ncu-run]
 
 An ablation is the kernel package with one named edit of its source (``EDITS``: the merge skipped,
 no keys read, the record read and nothing else, ...), written to ``.whl/probe/<name>/`` (ignored) and
@@ -12,8 +12,6 @@ SDPA on the same case.
 
 ``--warm I/N`` compiles shard I of N of the variants (run once each, untimed) so that N processes fill
 Triton's cache side by side before the timing process, whose compiles then hit the cache.
-``--timeline`` (instead of the table) replays the graphs of ours, the no-merge ablation, the fused decode merge and
-the peers on the small decodes under torch.profiler: each kernel's median duration and the gap before it.
 ``--ncu-run`` runs ours, the no-merge ablation, the fused decode merge and the peers on the first case eagerly inside an NVTX
 range ``probe`` for Nsight Compute (``ncu --nvtx --nvtx-include probe/``)."""
 
@@ -31,7 +29,7 @@ import torch
 from bench.sdpa import peers
 from bench.sdpa.ours import ours_calls
 from bench.sdpa.removed import MODULES, PACKAGE, REPO
-from bench.sdpa.timing import kernel_timeline, log, n_rot, time_fn
+from bench.sdpa.timing import log, n_rot, time_fn
 from bench.sdpa.versions import load_module
 from bench.sdpa.workloads import HEADS, Work, lognormal_lengths
 from pipeline.kernels import sdpa_varlen as K
@@ -156,34 +154,6 @@ def run(shard: tuple[int, int] | None) -> list[str]:
     return lines
 
 
-TIMELINE_CASES = ("decode B=1 L=8k", "decode B=4 L=2k", "decode B=1 L=32k")
-
-
-def timeline() -> list[str]:
-    """Per small decode case and side: the kernels of one call inside its CUDA graph (over the K/V rotation, as the
-    table times it), each with its launches per call, median duration and the median gap before it."""
-    lines = ["| case | side | kernel | per call | median µs | gap before µs |", "|---|---|---|---:|---:|---:|"]
-    for w in (w for w in cases() if w.name in TIMELINE_CASES):
-        inputs = w.ours_inputs(n_rot(w.kv_read))
-        sides = [("ours", variant_calls(w, inputs, {}, None)),
-                 ("no merge (ablation)", variant_calls(w, inputs, {}, "no merge")),
-                 ("fused decode merge", variant_calls(w, inputs, dict(dec_merge_launch=False), None))]
-        for peer, parts in (("padded SDPA", peers.sdpa_parts(w)), ("ExecuTorch SDPA", peers.et_parts(w))):
-            if not isinstance(parts, str):
-                ctx = parts.setup()
-                sides.append((peer, [lambda i=i, p=parts, c=ctx: p.layer(c, i) for i in range(parts.copies)]))
-        for side, fns in sides:
-            try:
-                rows = kernel_timeline(fns)
-            except Exception as e:  # noqa: BLE001  (reported in the row)
-                rows = [(f"err {type(e).__name__}: {str(e)[:80]}", 0, math.nan, math.nan)]
-            for name, n, us, gap in rows:
-                lines.append(f"| {w.name} | {side} | `{name[:60]}` | {n} | {us:.1f} | {gap:.1f} |")
-                log(lines[-1])
-        torch.cuda.empty_cache()
-    return lines
-
-
 def ncu_run() -> None:
     """Ours, the no-merge ablation, the fused decode merge and the peers on the first case, eagerly, after a warm-up, inside
     the NVTX range 'probe' (two calls each)."""
@@ -213,15 +183,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm", help="I/N: compile shard I of N of the variants, untimed")
     ap.add_argument("--out", help="write the table (markdown) here")
-    ap.add_argument("--timeline", action="store_true", help="the small decodes' kernels inside their graphs, not the table")
     ap.add_argument("--ncu-run", action="store_true")
     a = ap.parse_args()
     if a.ncu_run:
         ncu_run()
         return
     shard = tuple(int(x) for x in a.warm.split("/")) if a.warm else None
-    lines = timeline() if a.timeline else run(shard)
-    if shard is None or a.timeline:
+    lines = run(shard)
+    if shard is None:
         gpu = torch.cuda.get_device_name()
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip() or "(no git here)"
