@@ -129,12 +129,13 @@ def record_lost_job(message: str) -> str | None:
     try:
         # Hydra's job as submitit pickled it: (its overrides, the sweep dir key, its number, ...)
         overrides, _, num, *_ = DelayedSubmission.load(next(folder.glob("*_submitted.pkl"))).args
-        job = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.job.config.override_dirname
-    except (OSError, StopIteration, ValueError, AttributeError) as err:
+        dirname = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.job.config.override_dirname
+    except Exception as err:  # noqa: BLE001  (no row then; the line says why)
         return f"job {found['id']}: {error} (no row: {type(err).__name__}: {err})"
-    shown = sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in job.exclude_keys)
-    row = dict.fromkeys(COLUMNS, "") | {"job": num, "overrides": job.item_sep.join(shown).replace("=", job.kv_sep),
-                                       "status": "killed", "error": error}
+    # the overrides as Hydra's override_dirname shows them (the other rows' column)
+    shown = sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in dirname.exclude_keys)
+    row = dict.fromkeys(COLUMNS, "") | {"job": num, "status": "killed", "error": error,
+                                       "overrides": dirname.item_sep.join(shown).replace("=", dirname.kv_sep)}
     if not (sweep_dir / str(num) / "job.json").exists():  # the job may have written its row and died after it
         record_job(sweep_dir, row)
     return f"job {num} ({row['overrides']}): {error}"
