@@ -71,11 +71,15 @@ def check_overrides(argv: list[str]) -> None:
                 check_setting(key, value)
 
 
+def slurm_sweep(argv: list[str]) -> bool:
+    """Whether the command line sends its sweep to SLURM."""
+    return any(a.lstrip("+") in ("hydra/launcher=slurm", "hydra/launcher=submitit_slurm") for a in argv)
+
+
 def check_slurm(argv: list[str]) -> None:
     """A sweep sent to SLURM (``hydra/launcher=slurm``) needs ``sbatch`` and a controller that answers: checked
-    before Hydra writes any job, so that a missing cluster is one line rather than a job submission's traceback.
-    Its jobs' states are then read where the cluster keeps no accounting too (``build/slurm_state.py``)."""
-    if not any(a.lstrip("+") in ("hydra/launcher=slurm", "hydra/launcher=submitit_slurm") for a in argv):
+    before Hydra writes any job, so that a missing cluster is one line rather than a job submission's traceback."""
+    if not slurm_sweep(argv):
         return
     import shutil
     import subprocess
@@ -90,9 +94,6 @@ def check_slurm(argv: list[str]) -> None:
     if proc.returncode != 0:
         reason = _first_line(RuntimeError(proc.stderr)) if proc.stderr.strip() else f"exit {proc.returncode}"
         raise ConfigError(f"hydra/launcher=slurm: slurmctld is not reachable (sinfo: {reason}); {start}")
-    from pipeline.build.slurm_state import watch_without_accounting
-
-    watch_without_accounting()  # a job killed before its result is an error, not a sweep that never returns
 
 
 def _first_line(err: BaseException) -> str:
@@ -121,6 +122,10 @@ def main(hydra_main, argv: list[str]) -> None:
         check_slurm(argv)
     except ConfigError as err:
         fail(str(err))
+    if slurm_sweep(argv):
+        from pipeline.build.slurm_state import watch_without_accounting
+
+        watch_without_accounting()  # jobs' states where the cluster keeps no accounting (build/slurm_state.py)
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises, the lines below format
     try:
         hydra_main()
