@@ -5,6 +5,8 @@ mid-stream. Standard library only, so it loads both servers the same way."""
 
 import http.client
 import json
+import math
+import os
 import socket
 import statistics
 import subprocess
@@ -25,6 +27,8 @@ class Result:
     disconnected: bool = False
     error: str | None = None
     max_tokens: int = 0
+    prompt_tokens: int | None = None  # as the server counted them (its usage), when it reports usage
+    cached_tokens: int = 0  # of those, taken from the server's prompt cache (llama-server reports it)
 
 
 def stream_completion(port: int, body: dict, disconnect_after: int | None = None, api_key: str | None = None) -> Result:
@@ -63,7 +67,10 @@ def stream_completion(port: int, body: dict, disconnect_after: int | None = None
                 if choice.get("finish_reason"):
                     result.finish_reason = choice["finish_reason"]
             if event.get("usage"):
-                result.tokens = event["usage"]["completion_tokens"]
+                usage = event["usage"]
+                result.tokens = usage["completion_tokens"]
+                result.prompt_tokens = usage.get("prompt_tokens")
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             if disconnect_after is not None and result.tokens >= disconnect_after:
                 result.disconnected = True
                 conn.sock.shutdown(socket.SHUT_RDWR)
@@ -101,19 +108,31 @@ def run_clients(port: int, bodies: list[dict], clients: int, disconnect: dict | 
     return results, time.perf_counter() - start
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1): the least value with at least ``q`` of them at or
+    below it; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def summarize(results: list[Result], wall: float) -> dict:
+    """A row of requests that ran together: tokens/s over the wall time, counting the tokens each finished
+    request generated (its usage where the server reports it, else its streamed chunks); the latencies'
+    p50 and p95; ``errors``: requests that did not finish (a hang-up asked for is neither)."""
     done = [r for r in results if r.ok and not r.disconnected]
-    ttft = sorted(r.ttft for r in done if r.ttft is not None)
-    gaps = sorted(g for r in done for g in r.gaps)
+    ttft = [r.ttft for r in done if r.ttft is not None]
+    gaps = [g for r in done for g in r.gaps]
     tokens = sum(r.tokens for r in done)
-
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
+    prompts = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
     return {"requests": len(done), "errors": sum(1 for r in results if not r.ok), "tokens": tokens,
-            "tok_s": tokens / wall, "req_s": len(done) / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
-            "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
-            "itl_median": statistics.median(gaps) if gaps else float("nan")}
+            "tok_s": tokens / wall, "req_s": len(done) / wall, "ttft_p50": percentile(ttft, 0.5),
+            "ttft_p95": percentile(ttft, 0.95), "itl_p50": percentile(gaps, 0.5), "itl_p95": percentile(gaps, 0.95),
+            "itl_median": statistics.median(gaps) if gaps else float("nan"),
+            "tokens_per_request": tokens / len(done) if done else float("nan"),
+            "prompt_tokens": statistics.mean(prompts) if prompts else None,
+            "cached_tokens": sum(r.cached_tokens for r in done)}
 
 
 def wait_ready(port: int, path: str, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -138,15 +157,18 @@ def free_port() -> int:
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and its descendants (the server and its engine process)."""
+    """Resident memory of ``pid`` and its descendants (the server and its engine process), in MB; the
+    children of every thread count, since a thread other than the main one may have started a child."""
     total = 0.0
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) / 1024
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-    except OSError:
+        children = set()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children |= {int(c) for c in f.read().split()}
+    except OSError:  # it ended meanwhile
         return total
     return total + sum(rss_mb(child) for child in children)

@@ -9,13 +9,16 @@ RESULTS = REPO / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun it to refresh.\n"
 
 
-def write_section(name: str, body: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else HEADER
+def write_section(name: str, body: str, path: Path = RESULTS) -> None:
+    """Rewrite the section ``name`` of ``path`` (docs/benchmarks.md) in place, or append it; the other
+    sections stay as they are."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else HEADER
     block = f"<!-- {name} -->\n{body.strip()}\n<!-- /{name} -->"
     pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    RESULTS.write_text(text)
-    print(f"wrote section '{name}' of {RESULTS}")
+    path.write_text(text)
+    print(f"wrote section '{name}' of {path}")
 
 
 def checkout(rev: str, root: Path) -> Path:
