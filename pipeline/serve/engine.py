@@ -223,7 +223,6 @@ class Engine:
         """Append the chosen tokens (with the logits each was chosen from) to ``request`` until it ends;
         send the new text; finish it when it stopped."""
         now = time.monotonic()
-        decode = self.session.tokenizer.decode
         out, finish = [], None
         for token, logits in tokens:
             request.generated.append(token)
@@ -242,8 +241,7 @@ class Engine:
                 finish = "length"
                 break
         request.last_token_at = now
-        new, finish = request.release(decode([t for t in request.generated if t not in self.eos], skip_special_tokens=True),
-                                      finish)
+        new, finish = request.detokenize(self.session.tokenizer, [t.id for t in out if t.id not in self.eos], finish)
         request.emit(Event("tokens", out, new))
         if finish is not None:
             self._finish(request, finish)

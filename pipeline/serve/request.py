@@ -1,12 +1,13 @@
 """A request as the engine holds it (its prompt, sampling, stop strings, the state of its generation)
-and what the engine tells its client (``Event``s of ``Token``s); the text a request may release as
-tokens arrive (held back while it may still start a stop string)."""
+and what the engine tells its client (``Event``s of ``Token``s). Its text is made by a
+``detokenize.Detokenizer`` as tokens arrive."""
 
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from pipeline.runtime.sampling import SamplingParams
+from pipeline.serve.detokenize import Detokenizer
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Request:
     finished: bool = False
     fed: int = 0  # prompt tokens fed so far
     generated: list[int] = field(default_factory=list)
-    text: str = ""  # the text sent so far
+    detokenizer: Detokenizer | None = None  # its text so far, made at its first tokens
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -68,22 +69,13 @@ class Request:
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
-    def release(self, full: str, finish: str | None) -> tuple[str, str | None]:
-        """The text to send now, given the whole text of the tokens so far (``full``) and how the tokens
-        ended (``finish``: None while going on): cut at the first stop string (then finish is ``stop``),
-        else all of it once finished, else all but an end that may still become a stop string and an
-        unfinished UTF-8 character. Records what was sent; returns (new text, finish)."""
-        cut = _first_stop(full, self.stop, len(self.text))
-        if cut is not None:
-            full, finish = full[:cut], "stop"
-            safe = len(full)
-        elif finish is not None:
-            safe = len(full)
-        else:
-            safe = min(len(full) - _stop_prefix(full, self.stop), len(full) - full.endswith("\ufffd"))
-        new = full[len(self.text): max(safe, len(self.text))]
-        self.text += new
-        return new, finish
+    def detokenize(self, tokenizer, tokens: list[int], finish: str | None) -> tuple[str, str | None]:
+        """The text to send now for the new ``tokens`` (no end-of-sequence token), given how they ended
+        (``finish``: None while going on): its ``Detokenizer`` cuts at a stop string (then finish is ``stop``)
+        and holds back an end that may still become one, or an unfinished UTF-8 character."""
+        if self.detokenizer is None:
+            self.detokenizer = Detokenizer(tokenizer, self.stop)
+        return self.detokenizer.add(tokens, finish)
 
     def usage(self) -> dict:
         usage = {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.generated),
@@ -94,19 +86,3 @@ class Request:
                                     "tokens_per_round": len(self.generated) / self.rounds}
         return usage
 
-
-def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
-    """Where the first stop string starts in ``text`` (searching from just before what was sent), or None."""
-    found = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
-    return min(found) if found else None
-
-
-def _stop_prefix(text: str, stops: list[str]) -> int:
-    """The length of the longest end of ``text`` that begins a stop string (held back from the client)."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
