@@ -60,6 +60,9 @@ class ModelConfig(ModelArgs):
     seed: int = 0  # weights are random-initialised from this seed: no downloads
     dtype: DType = DType.float32  # compute dtype of the exported program: float32 | bfloat16 | float16
     causal: bool = True  # the target's attention rule (a draft is non-causal whatever this says)
+    # positions the model itself takes: a checkpoint's (HF max_position_embeddings, GGUF {arch}.context_length);
+    # 0: none of its own (random weights). kv.capacity: null derives each sequence's context from it
+    context_length: int = 0
 
 
 @dataclass
@@ -109,8 +112,13 @@ class VisionConfig(VisionArgs):
 class KVConfig:
     layout: str = "sequence"  # sequence | cell
     max_seqs: int = 1  # sequences one artifact serves; 1 = solo
-    capacity: int = 128  # sequence: context per sequence; cell: cells in the shared pool
-    max_step_tokens: int = 16  # widest step (prefill chunk) a method accepts
+    # sequence: context per sequence; cell: cells in the shared pool. null: derived (build/context.py): the
+    # model's context (model.context_length) within the serving caps and the memory budget; 128 (cell: 512)
+    # for a model without one
+    capacity: int | None = None
+    # widest step (prefill chunk) a method accepts; null: 64 (at most the capacity) for a model with a
+    # context of its own, 16 without
+    max_step_tokens: int | None = None
     dtype: DType = DType.float32  # of the KV stores
 
 

@@ -74,6 +74,14 @@ BAD_INPUT = [
     # issue 10: what used to build for minutes, exhaust the machine or print Hydra's pages
     (["kv.max_seqs=1000000"], ["kv.max_seqs=1000000", "GB", "over the budget", "this machine's memory"]),
     (["memory_budget_gb=0.01"], ["estimated", "memory_budget_gb=0.01"]),
+    # issue 49: a capacity the budget cannot hold names the largest it can; a derived one that finds none is refused
+    (["kv.max_seqs=8", "kv.capacity=1000000", "memory_budget_gb=1"],
+     ["kv.max_seqs=8, kv.capacity=1000000", "over the budget of 1.0 GB (memory_budget_gb=1.0)",
+      "at kv.max_seqs=8 the budget holds at most kv.capacity="]),
+    (["model=smollm2_135m", "kv.max_seqs=8", "memory_budget_gb=2"],
+     ["kv.capacity=null derives the context from the model's 8192 tokens", "not even kv.capacity=64 fits",
+      "memory_budget_gb=2.0", "lower kv.max_seqs"]),
+    (["kv.capacity=auto"], ["kv.capacity=auto is not an integer or null"]),
     (["+unknown_key=1"], ["unknown_key=1 is not a setting", "kv, backend, quant, validate"]),
     (["unknown_key=1"], ["unknown_key=1 is not a setting"]),
     (["+kv.foo=1"], ["kv.foo=1 is not a setting", "max_seqs, capacity"]),

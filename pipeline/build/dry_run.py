@@ -9,7 +9,8 @@ from pipeline.kv.layouts import DTYPE_BYTES
 
 def print_plan(plan: BuildPlan, exp_dir: Path, statuses: dict[str, str]) -> None:
     """Each stage (``statuses``: cached or why it would be built) and what the artifact holds: each
-    model's weights and KV stores, the quantization and the build's estimated peak memory."""
+    model's weights and KV stores, the context each sequence gets (and why, where derived), the
+    quantization and the build's estimated peak memory."""
     cfg = plan.config
     print(f"dry run: {exp_dir} (nothing is built or written)")
     for i, stage in enumerate(plan.stages, 1):
@@ -23,6 +24,8 @@ def print_plan(plan: BuildPlan, exp_dir: Path, statuses: dict[str, str]) -> None
             line += (f"; KV {layout.layout}, max_seqs={layout.max_seqs}, {'causal' if layout.causal else 'non-causal'}: "
                      f"{kv} bytes ({kv / 1e6:.2f} MB) over {len(layout.layers)} layers")
         print(line)
+    for line in plan.context.lines(plan.target.layout):
+        print(f"  {line}")
     if plan.quant.quantized:
         draft = " (and the draft's linears)" if cfg.quant.draft else ""
         print(f"  quant  {plan.quant.name}: the target's{draft} {plan.quant.describe(cfg.quant)}")

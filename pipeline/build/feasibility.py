@@ -7,6 +7,7 @@ torch (the error path must stay fast).
 """
 
 import os
+from collections.abc import Callable, Sequence
 
 from pipeline.errors import ConfigError
 from pipeline.kv.layouts import DTYPE_BYTES, KVLayout
@@ -53,8 +54,29 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_model(args: ModelArgs, context: int) -> None:
-    """The decoder's settings, for an artifact whose sequences reach ``context`` positions."""
+def budget_of(budget_gb: float | None) -> tuple[float, str]:
+    """(bytes, where the number comes from): ``memory_budget_gb``, or this machine's memory where it is null."""
+    if budget_gb is None:
+        return machine_memory(), "this machine's memory; set memory_budget_gb to change it"
+    return budget_gb * GB, f"memory_budget_gb={budget_gb}"
+
+
+def largest(candidates: Sequence[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of ``candidates`` (ascending) that ``fits``, where fitting holds up to some point and
+    not beyond (the estimates grow with the capacity); None when none fits. Asks ``fits`` log2(n) times."""
+    low, high = 0, len(candidates)  # candidates[:low] fit, candidates[high:] do not
+    while low < high:
+        mid = (low + high) // 2
+        if fits(candidates[mid]):
+            low = mid + 1
+        else:
+            high = mid
+    return candidates[low - 1] if low else None
+
+
+def check_model(args: ModelArgs, context: int | None) -> None:
+    """The decoder's settings, for an artifact whose sequences reach ``context`` positions (None: not
+    known yet; ``plan.resolve`` checks the RoPE against the context it derives)."""
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model.{name}={getattr(args, name)} must be a positive integer")
@@ -81,7 +103,7 @@ def check_model(args: ModelArgs, context: int) -> None:
     check_rope(args, context)
 
 
-def check_rope(args: ModelArgs, context: int) -> None:
+def check_rope(args: ModelArgs, context: int | None) -> None:
     s = args.rope_scaling
     if s.type not in ROPE_TYPES:
         raise ConfigError(f"model.rope_scaling.type={s.type} is not supported; choose one of {', '.join(ROPE_TYPES)}")
@@ -92,7 +114,7 @@ def check_rope(args: ModelArgs, context: int) -> None:
     if s.type == "longrope" and len(s.short_factor or ()) != args.rotary_dim // 2:
         raise ConfigError(f"model.rope_scaling.short_factor has {len(s.short_factor or ())} values; longrope needs one "
                           f"per rotated pair ({args.rotary_dim // 2})")
-    if s.type in ("dynamic", "longrope") and context > s.original_context:
+    if s.type in ("dynamic", "longrope") and context is not None and context > s.original_context:
         raise ConfigError(f"model.rope_scaling.type={s.type} changes its frequencies beyond original_context="
                           f"{s.original_context} positions, which a static artifact cannot; kv.capacity={context} "
                           f"reaches further: lower it to {s.original_context} or less")
@@ -166,16 +188,23 @@ def check_episode(validate_cfg, layout: KVLayout, spill: int = 0) -> None:
     layout.check_episode(totals, "validate.prompt_lengths / validate.decode_steps")
 
 
-def check_memory(layouts: list[KVLayout], args: ModelArgs, model_dtype: str, budget_gb: float | None) -> dict[str, float]:
+def check_memory(layouts: list[KVLayout], args: ModelArgs, model_dtype: str, budget_gb: float | None,
+                 layouts_at: Callable[[int], list[KVLayout]] | None = None, least: int = 1) -> dict[str, float]:
     """The build's estimated peak against ``memory_budget_gb`` (None: this machine's memory; ``layouts``:
-    the target's first)."""
+    the target's first). Refused naming the settings and, given ``layouts_at`` (the layouts at another
+    ``kv.capacity``, from ``least`` up), the largest capacity the budget holds at this ``kv.max_seqs``."""
     layout = layouts[0]
     estimate = memory_estimate(layouts, args, model_dtype)
-    budget = machine_memory() if budget_gb is None else budget_gb * GB
-    where = "this machine's memory; set memory_budget_gb to change it" if budget_gb is None else f"memory_budget_gb={budget_gb}"
+    budget, where = budget_of(budget_gb)
     if estimate["peak"] > budget:
+        advice = "lower kv.max_seqs or kv.capacity"
+        if layouts_at is not None:
+            most = largest(range(least, layout.capacity),
+                           lambda c: memory_estimate(layouts_at(c), args, model_dtype)["peak"] <= budget)
+            advice = (f"at kv.max_seqs={layout.max_seqs} the budget holds at most kv.capacity={most}" if most is not None else
+                      f"at kv.max_seqs={layout.max_seqs} not even kv.capacity={least} fits: lower kv.max_seqs")
         raise ConfigError(
             f"kv.max_seqs={layout.max_seqs}, kv.capacity={layout.capacity}: the KV stores take "
             f"{estimate['kv'] / GB:.2f} GB and the build needs an estimated {estimate['peak'] / GB:.1f} GB, "
-            f"over the budget of {budget / GB:.1f} GB ({where}); lower kv.max_seqs or kv.capacity")
+            f"over the budget of {budget / GB:.1f} GB ({where}); {advice}")
     return estimate

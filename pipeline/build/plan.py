@@ -4,7 +4,8 @@ reads (the stages, the cache keys' stage list, the dry run, build.json, the mani
 ``resolve(cfg)`` makes every check that can be made from the config alone, each in one place and in
 this order: unknown settings, the stage order, the closed sets (family, backend), the memory budget's
 value, each role's settings (``roles/``: the target's shapes, the quantization, the draft against
-the target, the vision encoder's), each attending role's KV layout (built here and only here), the
+the target, the vision encoder's), each attending role's KV layout (built here and only here, at the ``kv.max_step_tokens`` and
+``kv.capacity`` that ``build/context.py`` derives where the config leaves them null), the
 checks that need the layouts (an image against a sequence's context, the validation episode, the
 build's memory) and the GPU a CUDA build needs. Torch is not imported (but for backend=cuda's GPU check).
 
@@ -16,9 +17,10 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.backends import Backend, backend, quantizing
+from pipeline.build.context import Context
 from pipeline.build.roles import DRAFT, EXPORT_WIDTH, ROLES, TARGET, MethodSpec, Role
 from pipeline.errors import ConfigError
 from pipeline.kv.layouts import KVLayout, build_layout
@@ -53,6 +55,7 @@ class BuildPlan:
     backend: Backend
     quant: Scheme  # the target's weight quantization (pipeline/quant)
     memory: dict = field(default_factory=dict)  # the build's estimate (feasibility.memory_estimate)
+    context: Context | None = None  # kv.capacity and kv.max_step_tokens as built, and where they came from
 
     @property
     def target(self) -> ModelPart:
@@ -83,11 +86,11 @@ class BuildPlan:
 
 
 def resolve(cfg: DictConfig) -> BuildPlan:
-    """Check ``cfg`` (already through ``resolve_model``) and resolve it into the build plan."""
+    """Check ``cfg`` (already through ``resolve_model``) and resolve it into the build plan (its config with
+    ``kv.capacity`` and ``kv.max_step_tokens`` filled in where they are null: ``build/context.py``)."""
     from pipeline.build.feasibility import check_episode, check_memory
     from pipeline.config import unknown_settings
     from pipeline.models.families import family
-    from pipeline.quant import check as check_quant
 
     if unknown := unknown_settings(cfg):
         raise ConfigError(unknown[0])
@@ -98,22 +101,7 @@ def resolve(cfg: DictConfig) -> BuildPlan:
     if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
 
-    parts: dict[str, ModelPart] = {}
-    for role in ROLES.values():
-        if not role.present(cfg):
-            continue
-        part = ModelPart(role, role.args(cfg, parts))
-        if role.name == TARGET:  # the target's quantization (a draft's: the draft role's check)
-            draft = ROLES.get(DRAFT)
-            check_quant(cfg.quant, part.args, cfg.model, chosen, quantizing(),
-                        draft.preset(cfg) if draft is not None and draft.present(cfg) else None, cfg.validate)
-        role.check(cfg, part, parts, names)
-        parts[role.name] = part
-    for name, part in parts.items():  # the one place layouts are built from the config
-        rule = part.role.kv_rule(cfg, part, parts)
-        if rule is not None:
-            layout = build_layout(cfg.kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
-            parts[name] = dataclasses.replace(part, layout=layout)
+    cfg, parts, context = _parts_in_context(cfg, names, chosen)
     width = {name: p.layout.step_width for name, p in parts.items() if p.layout is not None}
     for name, part in parts.items():
         methods = tuple(part.role.methods(cfg, part, parts, width, cfg.kv.max_seqs))
@@ -127,7 +115,8 @@ def resolve(cfg: DictConfig) -> BuildPlan:
         check_episode(cfg.validate, target.layout, sum(p.role.episode_spill(p) for p in parts.values()))
     memory = {}
     if "lower_kv" in names:  # the KV stores exist from lower_kv on
-        memory = check_memory(layouts, target.args, cfg.model.dtype, cfg.memory_budget_gb)
+        memory = check_memory(layouts, target.args, cfg.model.dtype, cfg.memory_budget_gb,
+                              lambda c: list(_layouts(cfg, parts, chosen, c).values()), _least_capacity(cfg, parts))
     needs_gpu = {"compile", "validate"} & names
     if chosen.needs_gpu and needs_gpu:
         import torch
@@ -136,7 +125,63 @@ def resolve(cfg: DictConfig) -> BuildPlan:
             raise ConfigError(
                 f"backend={chosen.name} needs a CUDA GPU for {' and '.join(sorted(needs_gpu))} (torch.cuda.is_available() "
                 "is False); build on a GPU machine, stop after lower_kv (stages=[export,lower_kv]), or choose backend=xnnpack")
-    return BuildPlan(cfg, tuple(stages), parts, chosen, scheme(cfg.quant.scheme), memory)
+    return BuildPlan(cfg, tuple(stages), parts, chosen, scheme(cfg.quant.scheme), memory, context)
+
+
+def _parts_in_context(cfg: DictConfig, names: set[str], chosen: Backend) -> tuple[DictConfig, dict, Context]:
+    """Each role's part (its settings checked) with its KV layout, in the config whose ``kv.max_step_tokens``
+    and ``kv.capacity`` are filled in where null (a copy then: the caller's config stays as it was)."""
+    from pipeline.build.context import derive_capacity, model_context, step_tokens
+    from pipeline.build.feasibility import budget_of, check_rope, memory_estimate
+    from pipeline.quant import check as check_quant
+
+    own = model_context(cfg.model)
+    step, step_from = step_tokens(cfg.kv, own)
+    if cfg.kv.capacity is None or cfg.kv.max_step_tokens is None:
+        cfg = copy.deepcopy(cfg)
+        cfg.kv.max_step_tokens = step
+    parts: dict[str, ModelPart] = {}
+    for role in ROLES.values():
+        if not role.present(cfg):
+            continue
+        part = ModelPart(role, role.args(cfg, parts))
+        if role.name == TARGET:  # the target's quantization (a draft's: the draft role's check)
+            draft = ROLES.get(DRAFT)
+            check_quant(cfg.quant, part.args, cfg.model, chosen, quantizing(),
+                        draft.preset(cfg) if draft is not None and draft.present(cfg) else None, cfg.validate)
+        role.check(cfg, part, parts, names)
+        parts[role.name] = part
+    capacity_from = "set"
+    if cfg.kv.capacity is None:
+        def measure(capacity: int) -> dict:
+            layouts = list(_layouts(cfg, parts, chosen, capacity).values())  # the target's first
+            estimate = memory_estimate(layouts, parts[TARGET].args, cfg.model.dtype)
+            return estimate | {"scratch": layouts[0].attention_scratch_bytes()}
+
+        budget, where = budget_of(cfg.memory_budget_gb)
+        cfg.kv.capacity, capacity_from = derive_capacity(cfg.kv, own, _least_capacity(cfg, parts), measure,
+                                                         budget, where)
+        check_rope(parts[TARGET].args, cfg.kv.capacity)
+    for name, layout in _layouts(cfg, parts, chosen).items():  # the one place layouts are built from the config
+        parts[name] = dataclasses.replace(parts[name], layout=layout)
+    return cfg, parts, Context(cfg.kv.capacity, cfg.kv.max_step_tokens, capacity_from, step_from)
+
+
+def _layouts(cfg: DictConfig, parts: dict, chosen: Backend, capacity: int | None = None) -> dict[str, KVLayout]:
+    """The KV layout of each attending part, from the ``kv`` config (at ``capacity`` instead of
+    ``kv.capacity`` where given: what another capacity would take)."""
+    kv = cfg.kv if capacity is None else OmegaConf.merge(cfg.kv, {"capacity": capacity})
+    out = {}
+    for name, part in parts.items():
+        rule = part.role.kv_rule(cfg, part, parts)
+        if rule is not None:
+            out[name] = build_layout(kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
+    return out
+
+
+def _least_capacity(cfg: DictConfig, parts: dict) -> int:
+    """The smallest ``kv.capacity`` the layouts can be built with: a step, a sliding window."""
+    return max([cfg.kv.max_step_tokens] + [getattr(p.args, "sliding_window", 0) for p in parts.values()])
 
 
 def resolve_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:

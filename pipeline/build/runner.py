@@ -93,8 +93,8 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
     publish the next version of ``exp_dir`` (default ``<output_root>/<experiment_name>``); an existing
     version of the same stage entries is reused. ``dry_run``: print the plan and return None.
     ``reproduces``: the version this build rebuilds (``rebuild``)."""
-    cfg = resolve_model(cfg, overrides or [])
-    build_plan = resolve(cfg)
+    build_plan = resolve(resolve_model(cfg, overrides or []))
+    cfg = build_plan.config  # kv.capacity and kv.max_step_tokens as derived where null: the keys and the record say them
     plan = list(build_plan.stages)
     forced = _forced(cfg, plan)
     exp_dir = exp_dir or Path(cfg.output_root) / cfg.experiment_name
@@ -116,6 +116,7 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
         for i, stage in enumerate(plan, 1):
             print(f"[{i}/{len(plan)}] {stage.name}: cached ({keys[stage.name]['digest'][:12]})")
         print(f"up to date: {reused} was built from the same config, inputs, code and tools (force=true rebuilds)")
+        _context(build_plan)
         return reused
 
     exp_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +134,7 @@ def build(cfg: DictConfig, overrides: list[str] | None = None, hydra_cfg: DictCo
             raise
         version = publish(work, exp_dir)
     _summary(version, record)
+    _context(build_plan)
     return version
 
 
@@ -252,6 +254,12 @@ def _facts(outputs: dict) -> dict:
     if "validation" in outputs:
         facts["validation_passed"] = outputs["validation"]["passed"]
     return facts
+
+
+def _context(build_plan: BuildPlan) -> None:
+    """The summary's last lines: the context each sequence gets, and why where it was derived."""
+    for line in build_plan.context.lines(build_plan.target.layout):
+        print(f"  {line}")
 
 
 def _summary(version: Path, record: dict) -> None:

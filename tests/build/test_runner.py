@@ -60,8 +60,22 @@ def test_unchanged_config_builds_nothing(build_dir, capsys):
     version = build_dir()
     again = build(compose_config(f"output_root={version.parent.parent}"))
     assert again == version
-    assert "up to date" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "up to date" in out and "  context: 128 tokens per sequence x kv.max_seqs=1;" in out  # what it serves
     assert sorted(p.name for p in version.parent.iterdir() if not p.name.startswith(".")) == ["v0001"]
+
+
+def test_the_summary_says_the_context(tmp_path, capsys):
+    """The build's last lines: tokens per sequence and sequences, and where the values were derived, why."""
+    version = build(compose_config(f"output_root={tmp_path}", "stages=[export]", "kv.max_seqs=2", "kv.max_step_tokens=8"))
+    out = capsys.readouterr().out
+    summary = out[out.index(f"built {version}"):].splitlines()
+    assert summary[-2:] == [
+        "  context: 128 tokens per sequence x kv.max_seqs=2; prompts in steps of up to 8 tokens",
+        "    kv.capacity=128 (null in the config): the layout's default for a model without a context of its own "
+        "(model.context_length=0)"]
+    recorded = (version / ".hydra" / "config.yaml").read_text()  # the values built, for a rebuild
+    assert "capacity: 128" in recorded and "max_step_tokens: 8" in recorded
 
 
 def test_failed_build_leaves_no_version(tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ class Target(Role):
         from pipeline.models.args import model_args
 
         args = model_args(cfg.model)
-        check_model(args, cfg.kv.capacity)
+        check_model(args, cfg.kv.capacity)  # None: derived after the roles' checks, its RoPE checked then (plan)
         return args
 
     def kv_rule(self, cfg, part, parts):

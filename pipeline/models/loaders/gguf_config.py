@@ -22,7 +22,8 @@ def read_config(path: Path) -> tuple[str, dict]:
     if fam.name == "muse_glimmer":  # ExecuTorch's layout: the tensors say the sizes, the metadata is optional
         from pipeline.models.loaders.glimmer import target_settings
 
-        return fam.name, {**target_settings(reader, where), **fam.options}
+        return fam.name, {**target_settings(reader, where), "context_length": _context_length(reader, arch, where),
+                          **fam.options}
     heads = int(_field(reader, f"{arch}.attention.head_count", where))
     dim = int(_field(reader, f"{arch}.embedding_length", where))
     n_layers = int(_field(reader, f"{arch}.block_count", where))
@@ -45,7 +46,7 @@ def read_config(path: Path) -> tuple[str, dict]:
     rope_base = _float(_field(reader, f"{arch}.rope.freq_base", where, default=10000.0))
     local_base = _float(_field(reader, f"{arch}.rope.freq_base_swa", where, default=LOCAL_BASE.get(fam.name, 0.0)))
     settings = {
-        "vocab_size": int(vocab), "dim": dim, "n_layers": n_layers,
+        "vocab_size": int(vocab), "dim": dim, "n_layers": n_layers, "context_length": _context_length(reader, arch, where),
         "n_heads": heads, "n_kv_heads": int(_field(reader, f"{arch}.attention.head_count_kv", where, default=heads)),
         "head_dim": head_dim, "hidden_dim": int(_field(reader, f"{arch}.feed_forward_length", where)),
         "norm_eps": norm_eps, "rope_base": rope_base,
@@ -117,6 +118,12 @@ def _refuse_unknown(reader, arch: str, family: str, where: str) -> None:
                               f"model); the keys read are {arch}.{{{', '.join(sorted(KNOWN_KEYS))}}}")
         if name in NEUTRAL and field.contents() != NEUTRAL[name][0]:
             raise ConfigError(f"{where}: metadata {key}={field.contents()} is not supported; only {NEUTRAL[name][1]}")
+
+
+def _context_length(reader, arch: str, where: str) -> int:
+    """The positions the model was trained for (``{arch}.context_length``, which llama.cpp's converters write);
+    0 where the file does not say (``kv.capacity: null`` then keeps the layout's fixed default)."""
+    return int(_field(reader, f"{arch}.context_length", where, default=0))
 
 
 def _attn_scale(family: str, dim: int, heads: int, head_dim: int, n_layers: int) -> float:

@@ -66,6 +66,7 @@ def settings_of(config: dict, family: str, where: str) -> dict:
     rotary = int(head_dim * global_rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     settings = {
         "vocab_size": config["vocab_size"], "dim": config["hidden_size"], "n_layers": n_layers,
+        "context_length": int(config.get("max_position_embeddings") or 0),  # kv.capacity: null derives from it
         "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads, "head_dim": head_dim,
         "hidden_dim": config["intermediate_size"], "norm_eps": float(config["rms_norm_eps"]),
         "tie_embeddings": bool(config.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
