@@ -277,10 +277,13 @@ class Session:
 
     def generate(self, prompts: dict[object, str], max_new_tokens: int = 32, stop_at_eos: bool = True,
                  speculative: bool | None = None) -> dict[object, str]:
-        """Greedy continuations of text prompts, all sequences at once: chunked prefill sharing steps,
-        then one decode step for every live sequence, or with ``speculative`` (default: when the
-        artifact has a draft) one speculative round for every live sequence; the text is the same.
-        The sequences are added and released here."""
+        """Greedy continuations of text prompts, all sequences at once, on the server's schedule
+        (``runtime/schedule.py``): prompts prefill in chunks sharing steps with the decodes of those
+        already past theirs, every decoding sequence takes a token each step or, with ``speculative``
+        (default: when the artifact has a draft), a speculative round; the text is the same. The
+        sequences are added and released here."""
+        from pipeline.runtime import schedule
+
         speculative = bool(self.speculation) if speculative is None else speculative
         if speculative and not self.speculation:
             raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to generate speculatively")
@@ -289,40 +292,46 @@ class Session:
                 raise SessionError(f"sequence {seq_id!r}: a prompt must be a non-empty str, got {text!r}")
         if live := [repr(s) for s in prompts if s in self.seqs]:
             raise SessionError(f"sequences {', '.join(live)} are already live; generate adds its own")
-        if len(prompts) > self.max_seqs - len(self.seqs):
-            raise SessionError(f"{len(prompts)} prompts, but only {self.max_seqs - len(self.seqs)} of the artifact's "
+        free = self.max_seqs - len(self.seqs)
+        if len(prompts) > free:
+            raise SessionError(f"{len(prompts)} prompts, but only {free} of the artifact's "
                                f"max_seqs={self.max_seqs} columns are free")
-        pending = {seq_id: self.tokenizer(text).input_ids for seq_id, text in prompts.items()}
         eos = self.tokenizer.eos_token_id if stop_at_eos else None
-        for seq_id in prompts:
-            self.add(seq_id)
+        slots = [schedule.Slot(seq_id, self.tokenizer(text).input_ids) for seq_id, text in prompts.items()]
+        budget = schedule.Budget(self.max_step_tokens, free, speculative=speculative)  # all fit: all join at once
+        by_id = {slot.id: slot for slot in slots}
         out: dict[object, list[int]] = {seq_id: [] for seq_id in prompts}
+
+        def give(seq_id, tokens: list[int]) -> None:  # keep them up to the end; a slot that ended is done
+            by_id[seq_id].next_token = tokens[-1]
+            for token in tokens:
+                if len(out[seq_id]) < max_new_tokens:
+                    out[seq_id].append(token)
+                if len(out[seq_id]) >= max_new_tokens or token == eos:
+                    by_id[seq_id].finish()
+                    return
+
         try:
-            last = {}
-            while any(pending.values()):
-                feeds, room = {}, self.max_step_tokens
-                for seq_id, ids in pending.items():
-                    if ids and room > 0:
-                        feeds[seq_id], pending[seq_id] = ids[:room], ids[room:]
-                        room -= len(feeds[seq_id])
-                logits = self.step(feeds)
-                last |= {seq_id: logits[seq_id] for seq_id in feeds if not pending[seq_id]}
-            live = list(prompts)
-            new = {seq_id: [int(last[seq_id].argmax())] for seq_id in live}
-            while live:
-                for seq_id in live:
-                    for token in new[seq_id]:
-                        if len(out[seq_id]) < max_new_tokens and (not out[seq_id] or out[seq_id][-1] != eos):
-                            out[seq_id].append(token)
-                live = [s for s in live if len(out[s]) < max_new_tokens and out[s][-1] != eos]
-                if live and speculative:
-                    new = {s: r.tokens for s, r in self.speculate({s: out[s][-1] for s in live}).items()}
-                elif live:
-                    logits = self.step({seq_id: [out[seq_id][-1]] for seq_id in live})
-                    new = {seq_id: [int(logits[seq_id].argmax())] for seq_id in live}
+            while slots:
+                plan = schedule.plan(slots, budget)
+                for slot in plan.released:
+                    self.release(slot.id)
+                    slots.remove(slot)
+                for slot in plan.admitted:
+                    self.add(slot.id)
+                    slot.admit()
+                if plan.feeds:
+                    logits = self.step(plan.feeds)
+                    for seq_id, toks in plan.feeds.items():
+                        if by_id[seq_id].took(len(toks)):
+                            give(seq_id, [int(logits[seq_id].argmax())])
+                if plan.speculate:
+                    for seq_id, result in self.speculate(plan.speculate).items():
+                        give(seq_id, result.tokens)
         finally:
             for seq_id in prompts:
-                self.release(seq_id)
+                if seq_id in self.seqs:
+                    self.release(seq_id)
         return {seq_id: self.tokenizer.decode(ids, skip_special_tokens=True) for seq_id, ids in out.items()}
 
 

@@ -1,19 +1,23 @@
 """The engine: one thread owns the ``Session`` and runs continuous batching over it.
 
-Each iteration of its loop:
+Each request has a ``schedule.Slot`` (waiting, prefilling, decoding, done), and every step is what
+``schedule.plan`` says (the one schedule validate's episode, ``Session.generate`` and the throughput
+measurement run too). Each iteration of its loop:
 
 1. drops what ended outside a step: requests whose client went away (cancelled) or whose
-   ``--request-timeout`` passed, waiting or running; a running one's sequence is released;
-2. admits waiting requests, oldest first, while the artifact has a free sequence (and, in a cell
+   ``--request-timeout`` passed, waiting or running;
+2. asks the schedule for the step's plan, and releases the sequences of the requests that ended;
+3. admits waiting requests, oldest first, while the artifact has a free sequence (and, in a cell
    layout, the pool has cells for the request's prompt, its ``max_tokens`` and a draft block);
-3. runs one target step that feeds every live sequence: one token of each decoding sequence and,
-   in what is left of the step's ``max_step_tokens``, the next chunk of each prefilling prompt,
-   oldest first (so a long prompt arriving never stops the streams already running: they keep
-   their token per step, and the prompt takes the rest of the width). With a draft, decoding
-   sequences take a speculative round instead, in a second program call of the same iteration;
-4. chooses each sequence's next token with its own policy (greedy or its seeded sampler), checks
-   end of sequence, stop strings and ``max_tokens``, sends the text, and releases a finished
-   sequence in the same iteration.
+4. runs one target step that feeds every live sequence: one token of each decoding sequence and,
+   in what is left of the step's ``max_step_tokens`` (at most ``--prefill-chunk`` while others
+   decode), the next chunk of each prefilling prompt, oldest first (so a long prompt arriving never
+   stops the streams already running: they keep their token per step, and the prompt takes the rest
+   of the width; the oldest prompt takes a token even when the streams fill the width). With a draft,
+   decoding sequences take a speculative round instead, in a second program call of the same iteration;
+5. chooses each sequence's next token with its own policy (greedy or its seeded sampler), checks
+   end of sequence, stop strings and ``max_tokens``, sends the text, and marks a finished request
+   done (the next iteration's plan releases its sequence).
 
 A ``SessionError`` from a step fails the requests of that step only (the step is transactional:
 the session is as it was), and the loop goes on. The HTTP side talks to the engine through
@@ -21,13 +25,14 @@ the session is as it was), and the loop goes on. The HTTP side talks to the engi
 ``emit`` callback, which the engine calls from its thread.
 """
 
-import collections
 import logging
 import threading
 import time
 
 from pipeline.errors import SessionError
+from pipeline.runtime import schedule
 from pipeline.runtime.sampling import policy, top_logprobs
+from pipeline.runtime.schedule import Budget, Slot, State
 from pipeline.serve.request import Event, Request, Token
 
 log = logging.getLogger("pipeline.serve")
@@ -42,25 +47,43 @@ class Engine:
 
     def __init__(self, session, metrics, max_queue: int = 64, eos: set[int] | None = None, prefill_chunk: int | None = None):
         self.session = session
-        # prompt tokens a step takes while other sequences decode (None: all the width they leave); alone,
-        # a prompt always takes the whole width. Smaller: the running streams' steps are shorter, the
-        # new prompt's first token later (bench/serve_prefill.py measures both)
-        self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.max_queue = max_queue
         eos_id = session.tokenizer.eos_token_id
         self.eos = eos if eos is not None else ({eos_id} if eos_id is not None else set())
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: dict[int, Request] = {}
         self.block = session.speculation.block_size if session.speculation else 0
-        self._cells = getattr(session.pool, "n_cells", None)  # a cell layout's shared pool: admission reserves cells
+        cells = getattr(session.pool, "n_cells", None)  # a cell layout's shared pool: admission reserves cells
         # the most tokens (prompt + max_tokens) one request may take: the sequence's context, or the pool
         # less a draft block; None: unbounded (a model of ring layers only)
-        self.context_limit = session.max_length if self._cells is None else self._cells - self.block
+        self.context_limit = session.max_length if cells is None else cells - self.block
+        # prefill_chunk: prompt tokens a step takes while other sequences decode (None: all the width they
+        # leave); alone, a prompt always takes the whole width. Smaller: the running streams' steps are
+        # shorter, the new prompt's first token later (bench/serve_prefill.py measures both)
+        self.budget = Budget(session.max_step_tokens, session.max_seqs, prefill_chunk, bool(self.block), cells)
+        # every request the engine holds (waiting, running, or done until its sequence is released), in
+        # arrival order, and its slot in the schedule
+        self.requests: dict[int, Request] = {}
+        self.slots: dict[int, Slot] = {}
         self._lock = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.error: BaseException | None = None  # what killed the loop, if anything did
+
+    @property
+    def waiting(self) -> list[Request]:
+        """The requests waiting for a sequence, oldest first."""
+        with self._lock:
+            return [self.requests[rid] for rid, slot in self.slots.items() if slot.state is State.WAITING]
+
+    @property
+    def running(self) -> dict[int, Request]:
+        """The requests that hold a sequence (one that ended holds it until the next iteration)."""
+        with self._lock:
+            return {rid: self.requests[rid] for rid, slot in self.slots.items() if slot.state is not State.WAITING}
+
+    def _count(self, *states: State) -> int:
+        with self._lock:
+            return sum(slot.state in states for slot in self.slots.values())
 
     # --- the HTTP side (any thread) ---
 
@@ -81,11 +104,13 @@ class Engine:
         """Queue ``request``; ``Overloaded`` when ``max_queue`` requests already wait for a sequence (those
         that a free sequence will take at the next iteration do not count), nothing done."""
         with self._lock:
-            free = self.session.max_seqs - len(self.running)
-            if len(self.waiting) - free >= self.max_queue:
-                raise Overloaded(f"{len(self.waiting) - free} requests are waiting for a sequence, the server's --max-queue")
-            self.waiting.append(request)
-            self.metrics.queue_depth.set(len(self.waiting))
+            waiting = self._count(State.WAITING)
+            free = self.session.max_seqs - self._count(State.PREFILLING, State.DECODING)
+            if waiting - free >= self.max_queue:
+                raise Overloaded(f"{waiting - free} requests are waiting for a sequence, the server's --max-queue")
+            self.slots[request.id] = Slot(request.id, request.prompt, cells=self.needs(request))
+            self.requests[request.id] = request
+            self.metrics.queue_depth.set(waiting + 1)
             self._lock.notify()
 
     def cancel(self, request: Request) -> None:
@@ -93,8 +118,8 @@ class Engine:
         request.cancel()
 
     def status(self) -> tuple[int, int]:
-        """(live sequences, waiting requests)."""
-        return len(self.running), len(self.waiting)
+        """(sequences held, waiting requests)."""
+        return self._count(State.PREFILLING, State.DECODING, State.DONE), self._count(State.WAITING)
 
     def count_rejected(self) -> None:
         self.metrics.requests.labels(outcome="rejected").inc()
@@ -112,7 +137,7 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and not self.waiting and not self.running:
+                    while not self._stop and not self.slots:
                         self._lock.wait(timeout=0.5)
                     if self._stop:
                         break
@@ -120,63 +145,79 @@ class Engine:
         except BaseException as err:  # the loop is dead: every request gets an error, /ready says so
             self.error = err
             log.exception("engine loop failed")
-            for request in [*self.waiting, *self.running.values()]:
+            with self._lock:
+                held = [r for r in self.requests.values() if not r.finished]
+            for request in held:
                 self._finish(request, "error", error=(500, f"the engine stopped: {err}", "engine_failed"))
             raise
 
     def iterate(self) -> None:
-        """One iteration: drop, admit, step, choose, finish (module docstring)."""
+        """One iteration: drop, plan, release, admit, step, speculate (module docstring)."""
+        self._drop_ended()
+        with self._lock:
+            plan = schedule.plan(list(self.slots.values()), self.budget)
+        self._release(plan.released)
+        self._admit(plan.admitted)
+        feeds = {rid: toks for rid, toks in plan.feeds.items() if self._live(rid)}
+        if feeds:  # (without the admitted requests that could not join: they ended)
+            self._step(feeds)
+        if plan.speculate:
+            self._speculate(plan.speculate)
+        self.metrics.live_sequences.set(self._count(State.PREFILLING, State.DECODING))
+
+    def _drop_ended(self) -> None:
+        """Finish the requests whose client went away or whose deadline passed."""
         now = time.monotonic()
         with self._lock:
-            waiting = list(self.waiting)
-        for request in waiting + list(self.running.values()):
+            held = [r for r in self.requests.values() if not r.finished]
+        for request in held:
             if request.cancelled:
                 self._finish(request, "cancelled")
             elif request.deadline is not None and now > request.deadline:
                 self._finish(request, "timeout", error=(408, "the request took longer than the server's --request-timeout "
                                                         f"of {request.deadline - request.arrived:.1f} s", "timeout"))
-        self._admit()
-        if not self.running:
-            return
-        decoding = [r for r in self.running.values() if not r.prefilling]
-        speculating = decoding if self.block else []
-        feeds, width = {}, self.session.max_step_tokens
-        if not speculating:
-            feeds = {r.id: [r.generated[-1]] for r in decoding}
-        room = width - len(feeds)
-        if feeds and self.prefill_chunk is not None:
-            room = min(room, self.prefill_chunk)
-        if len(feeds) <= width:  # a step wider than max_step_tokens is a decode step only
-            for r in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.arrived):
-                if room <= 0:
-                    break
-                chunk = r.prompt[r.fed: r.fed + room]
-                feeds[r.id] = chunk
-                room -= len(chunk)
-        if feeds:
-            self._step(feeds)
-        if speculating:
-            self._speculate([r for r in speculating if r.id in self.running])
-        self.metrics.live_sequences.set(len(self.running))
 
-    def _admit(self) -> None:
-        with self._lock:
-            while self.waiting and len(self.running) < self.session.max_seqs:
-                request = self.waiting[0]
-                if self._cells is not None and sum(map(self.needs, self.running.values())) + self.needs(request) > self._cells:
-                    break  # the cell pool could not hold it to its end: it waits for cells
-                self.waiting.popleft()
-                self.running[request.id] = request
-            self.metrics.queue_depth.set(len(self.waiting))
-        for request in [r for r in self.running.values() if r.fed == 0 and r.chooser is None]:
+    def _live(self, rid: int) -> bool:
+        slot = self.slots.get(rid)
+        return slot is not None and slot.state in (State.PREFILLING, State.DECODING)
+
+    def _release(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            self.session.release(slot.id)
+            with self._lock:
+                del self.slots[slot.id], self.requests[slot.id]
+
+    def _admit(self, slots: list[Slot]) -> None:
+        """Give each admitted request its sequence, its images and its token policy."""
+        for slot in slots:
+            request = self.requests[slot.id]
             request.chooser = policy(request.params)
-            try:
-                self.session.add(request.id)
-                for image in request.images:
-                    self.session.add_image(request.id, image)
-            except SessionError as err:
-                self._finish(request, "error", error=(400, str(err), "invalid_image"))
             self.metrics.prompt_tokens.inc(len(request.prompt))
+            if (refused := self._join(request, slot)) is not None:
+                self._finish(request, "error", error=refused)
+        self.metrics.queue_depth.set(self._count(State.WAITING))
+
+    def _join(self, request: Request, slot: Slot) -> tuple[int, str, str] | None:
+        """Add the request's sequence and encode its images; None, or the (status, message, code) of
+        what the session refused: a sequence it could not add is about the request, an image it could
+        not take about the image, unless the image would pass the context or the program failed."""
+        try:
+            self.session.add(request.id)
+        except SessionError as err:
+            return 400, str(err), "invalid_request"  # (it holds no sequence: still waiting, it is forgotten)
+        slot.admit()
+        for image in request.images:
+            try:
+                self.session.add_image(request.id, image)
+            except SessionError as err:
+                if not self.session.vision:
+                    return 400, str(err), "invalid_request"  # images sent to an artifact of text only
+                if err.__cause__ is not None:  # the encoder failed, not the image
+                    return 500, str(err), "image_encoding_failed"
+                if "past the context" in str(err):
+                    return 400, str(err), "context_length_exceeded"
+                return 400, str(err), "invalid_image"
+        return None
 
     def _step(self, feeds: dict[int, list[int]]) -> None:
         start = time.monotonic()
@@ -185,26 +226,24 @@ class Engine:
         except SessionError as err:
             log.error("step of requests %s failed: %s", sorted(feeds), err)
             for rid in feeds:
-                self._finish(self.running[rid], "error", error=(500, f"the model step failed: {err}", "step_failed"))
+                self._finish(self.requests[rid], "error", error=(500, f"the model step failed: {err}", "step_failed"))
             return
         self.metrics.step_seconds.observe(time.monotonic() - start)
         for rid, toks in feeds.items():
-            request = self.running[rid]
-            if request.prefilling:
-                request.fed += len(toks)
-                if request.prefilling:
-                    continue
+            slot, request = self.slots[rid], self.requests[rid]
+            if not slot.took(len(toks)):
+                continue  # a prompt chunk short of the prompt's end
             row = logits[rid]
-            token = request.chooser.sample(row)
-            self._give(request, [(token, row)])
+            slot.next_token = request.chooser.sample(row)
+            self._give(request, [(slot.next_token, row)])
 
-    def _speculate(self, requests: list[Request]) -> None:
+    def _speculate(self, feeds: dict[int, int]) -> None:
         start = time.monotonic()
+        requests = [self.requests[rid] for rid in feeds]
         try:
-            rounds = self.session.speculate({r.id: r.generated[-1] for r in requests},
-                                            policies={r.id: r.chooser for r in requests})
+            rounds = self.session.speculate(feeds, policies={r.id: r.chooser for r in requests})
         except SessionError as err:
-            log.error("speculative round of requests %s failed: %s", [r.id for r in requests], err)
+            log.error("speculative round of requests %s failed: %s", sorted(feeds), err)
             for request in requests:
                 self._finish(request, "error", error=(500, f"the speculative step failed: {err}", "step_failed"))
             return
@@ -217,6 +256,7 @@ class Engine:
             request.accepted += kept
             self.metrics.spec_proposed.inc(len(result.proposals))
             self.metrics.spec_accepted.inc(kept)
+            self.slots[request.id].next_token = result.tokens[-1]
             self._give(request, [(t, result.logits[i]) for i, t in enumerate(result.tokens)])
 
     def _give(self, request: Request, tokens: list) -> None:
@@ -247,15 +287,17 @@ class Engine:
             self._finish(request, finish)
 
     def _finish(self, request: Request, outcome: str, error: tuple | None = None) -> None:
-        """End ``request``: release its sequence (if it has one), count it, tell its client."""
+        """End ``request``: one without a sequence is forgotten, one with a sequence is done (the next
+        iteration's plan releases it); count it, tell its client."""
         request.finished = True
         with self._lock:
-            if request in self.waiting:
-                self.waiting.remove(request)
-                self.metrics.queue_depth.set(len(self.waiting))
-        if self.running.pop(request.id, None) is not None and request.id in self.session.seqs:
-            self.session.release(request.id)
-        self.metrics.live_sequences.set(len(self.running))
+            slot = self.slots.get(request.id)
+            if slot is not None and slot.state is State.WAITING:
+                del self.slots[request.id], self.requests[request.id]
+                self.metrics.queue_depth.set(self._count(State.WAITING))
+            elif slot is not None:
+                slot.finish()
+        self.metrics.live_sequences.set(self._count(State.PREFILLING, State.DECODING))
         self.metrics.requests.labels(outcome=outcome).inc()
         if error is not None:
             status, message, code = error

@@ -1,8 +1,8 @@
-"""validate's episode: sequences driven through a session of the written program, continuous
-batching (chunked prefill sharing steps with decodes, greedy decoding, a finished sequence's column or
-cells taken by a waiting one), every step's logits compared with the oracles: the eager model on each
-sequence alone (and, for a quantized artifact, the unquantized eager model; with a draft, the eager
-draft). ``pipeline.stages.validate`` runs it and writes the report."""
+"""validate's episode: sequences driven through a session of the written program on the server's
+schedule (``runtime/schedule.py``: chunked prefill sharing steps with decodes, greedy decoding, a
+finished sequence's column or cells taken by a waiting one), every step's logits compared with the
+oracles: the eager model on each sequence alone (and, for a quantized artifact, the unquantized eager
+model; with a draft, the eager draft). ``pipeline.stages.validate`` runs it and writes the report."""
 
 from dataclasses import dataclass, field
 
@@ -11,8 +11,10 @@ import torch
 from pipeline.build.feasibility import episode_sequences
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.progress import Progress
+from pipeline.runtime import schedule
 from pipeline.runtime.images import splice
 from pipeline.runtime.sampling import accepted_length
+from pipeline.runtime.schedule import Budget, Slot, State
 from pipeline.runtime.session import Session
 
 
@@ -21,9 +23,7 @@ class Script:
     seq_id: str
     prompt: list[int]
     decode_steps: int
-    fed: int = 0
-    decoded: int = 0
-    next_token: int | None = None
+    decoded: int = 0  # tokens fed after the prompt (the schedule's ``Slot`` keeps the prompt's progress)
     cache: ReferenceCache | None = None
     errors: list[float] = field(default_factory=list)
     # speculative decoding (an artifact with a draft): the eager draft's cache, the eager target's
@@ -150,9 +150,10 @@ def _oracles_over_sequences(model, scripts: list[Script], metric: str, placehold
         s.step_logits = []
 
 
-def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str, unquantized=None) -> None:
-    """Check each sequence's round against the eager models: the draft's logits from the eager target's
-    features, the target's logits on the verified block; both caches rolled back as the session's. The
+def _speculative_round(model, draft, rounds: dict, fed: dict, by_id: dict, metric: str, unquantized=None) -> None:
+    """Check each sequence's round (``fed``: the token it fed) against the eager models: the draft's
+    logits from the eager target's features, the target's logits on the verified block; both caches
+    rolled back as the session's. The
     round's tokens against the greedy choice of its own verification logits (``off_greedy_rounds``). With
     ``unquantized`` (a quantized artifact), each kept row (a token the round gave) also against that
     model on the same block, over its own cache, rolled back likewise."""
@@ -160,9 +161,9 @@ def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str, unq
     for seq_id, r in rounds.items():
         s = by_id[seq_id]
         start = len(s.prompt) + s.decoded  # the position of the fed token
-        block = [s.next_token, *r.proposals]
+        block = [fed[seq_id], *r.proposals]
         if r.proposals:  # the draft's block: the fed token, then mask tokens
-            masked = [s.next_token] + [draft.args.mask_token_id] * len(r.proposals)
+            masked = [fed[seq_id]] + [draft.args.mask_token_id] * len(r.proposals)
             with reference_cache(s.draft_cache), torch.no_grad():
                 ctx = torch.arange(start - s.features.shape[0], start)
                 h = draft(s.features[None], model.embed(torch.tensor(masked)), ctx, torch.arange(start, start + len(block)))
@@ -188,101 +189,118 @@ def _speculative_round(model, draft, rounds: dict, by_id: dict, metric: str, unq
         s.acceptance.append(kept)
         s.generated += r.tokens
         s.decoded += kept
-        s.next_token = r.tokens[-1]
+
+
+@dataclass(frozen=True)
+class Oracles:
+    """The eager models an episode holds the .pte to, and how: ``stepwise``, the oracles run each step
+    over the sequence's own cache; else once per sequence after the episode."""
+
+    model: object
+    causal: bool
+    metric: str
+    stepwise: bool
+    placeholder: int | None = None  # an artifact with a vision encoder: its image token
+    draft: object = None
+    vision: object = None
+    unquantized: object = None
+
+    @property
+    def taps(self) -> tuple:
+        return tuple(self.draft.args.target_layer_ids) if self.draft is not None else ()
 
 
 def run_episode(session: Session, model, scripts: list[Script], causal: bool, metric: str = "range",
                 draft=None, vision=None, unquantized=None, stepwise: bool = False) -> dict:
-    """The continuous-batching episode; with ``draft``, sequences past their prompt decode by
-    speculative rounds (``Session.speculate``) while others prefill; with ``vision``, image sequences
-    have their image encoded once they join; with ``unquantized`` (a quantized artifact), each step is
-    also measured against that eager model on the same tokens. The oracles see each sequence alone:
-    step by step over its own cache (non-causal, or with a draft), or once it is done, one forward over
-    every token it was fed (``_oracles_over_sequences``; ``stepwise=True``: step by step anyway)."""
-    placeholder = session.vision["image_token_id"] if session.vision else None
+    """The continuous-batching episode, on the server's schedule (``runtime/schedule.py``: admission
+    with the cells a sequence may take, decodes and prefill chunks sharing steps; with ``draft``, the
+    decoding sequences' speculative round beside the step); with ``vision``, image sequences have their
+    image encoded once they join; with ``unquantized`` (a quantized artifact), each step is also
+    measured against that eager model on the same tokens. The oracles see each sequence alone: step by
+    step over its own cache (non-causal, or with a draft), or once it is done, one forward over every
+    token it was fed (``_oracles_over_sequences``; ``stepwise=True``: step by step anyway)."""
     # causal without a draft: the oracles run after the episode, one forward per sequence; otherwise
     # (a non-causal chunk sees itself whole; a draft needs the target's features each round) step by step
-    stepwise = stepwise or draft is not None or not causal
-    waiting, live = list(scripts), []
+    oracles = Oracles(model, causal, metric, stepwise or draft is not None or not causal,
+                      session.vision["image_token_id"] if session.vision else None, draft, vision, unquantized)
+    block = session.speculation.block_size if draft is not None else 0
+    budget = Budget(session.max_step_tokens, session.max_seqs, speculative=draft is not None,
+                    cells=getattr(session.pool, "n_cells", None))
+    slots = {s.seq_id: Slot(s.seq_id, s.prompt, cells=len(s.prompt) + s.decode_steps + block) for s in scripts}
+    by_id = {s.seq_id: s for s in scripts}
+    held = list(slots.values())
     stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
     if draft is not None:
         stats["speculative_rounds"] = 0
-    taps = tuple(draft.args.target_layer_ids) if draft is not None else ()
-    budget = session.max_step_tokens
     total = sum(len(s.prompt) + s.decode_steps for s in scripts)
     with Progress(total, "episode", "tokens") as progress:
-        while waiting or live:
-            progress.update(sum(s.fed + min(s.decoded, s.decode_steps) for s in scripts) - progress.done)
-            while waiting and len(live) < session.max_seqs:
-                script = waiting.pop(0)
-                if stepwise:
-                    script.cache = ReferenceCache(model.args.layer_kv(), causal=causal)
-                    if unquantized is not None:
-                        script.float_cache = ReferenceCache(model.args.layer_kv(), causal=causal)
-                if draft is not None:
-                    script.draft_cache = ReferenceCache(draft.layer_kv(), causal=False)
-                session.add(script.seq_id)
-                if script.image is not None:
-                    _encode_image(session, model, vision, script, metric)
-                live.append(script)
-            stats["max_live"] = max(stats["max_live"], len(live))
-            by_id = {s.seq_id: s for s in live}
-            feeds, room = {}, budget
-            decoding = [s for s in live if s.fed == len(s.prompt)]
-            if draft is not None and decoding:  # every decoding sequence speculates, in one round
-                rounds = session.speculate({s.seq_id: s.next_token for s in decoding})
-                _speculative_round(model, draft, rounds, by_id, metric, unquantized)
+        while held:
+            progress.update(sum(slots[s.seq_id].fed + min(s.decoded, s.decode_steps) for s in scripts) - progress.done)
+            step = schedule.plan(held, budget)
+            for slot in step.released:
+                session.release(slot.id)
+                held.remove(slot)
+            for slot in step.admitted:
+                _join(session, oracles, by_id[slot.id])
+                slot.admit()
+            stats["max_live"] = max(stats["max_live"], sum(slot.state is not State.WAITING for slot in held))
+            if step.feeds:
+                _check_step(session.step(step.feeds), step.feeds, slots, by_id, oracles, stats)
+            if step.speculate:
+                rounds = session.speculate(step.speculate)
+                _speculative_round(model, draft, rounds, step.speculate, by_id, metric, unquantized)
                 stats["speculative_rounds"] += 1
                 stats["tokens"] += sum(len(r.proposals) + 1 for r in rounds.values())
-                _finish(session, live)
-                decoding = []
-                if not any(s.fed < len(s.prompt) for s in live):
-                    continue
-            for s in decoding:  # decodes first, one token each
-                feeds[s.seq_id] = [s.next_token]
-                room -= 1
-            prefilling = 0
-            for s in live:  # then prefill chunks fill the rest of the step
-                if s.fed < len(s.prompt) and room > 0:
-                    feeds[s.seq_id] = s.prompt[s.fed: s.fed + room]
-                    room -= len(feeds[s.seq_id])
-                    prefilling += 1
-            logits = session.step(feeds)
-            stats["steps"] += 1
-            stats["mixed_steps"] += bool(decoding) and prefilling > 0
-            stats["decode_steps"] += not prefilling
-            stats["tokens"] += sum(len(t) for t in feeds.values())
-            for seq_id, toks in feeds.items():
-                s = by_id[seq_id]
-                got = logits[seq_id]
-                if not stepwise:  # for the oracles after the episode
-                    s.fed_tokens += toks
-                    s.step_rows.append(len(s.fed_tokens) - 1)
-                    s.step_logits.append(got.detach().reshape(-1).clone())
-                else:
-                    if unquantized is not None:  # first: the quantized oracle's call takes the image rows
-                        ref = _oracle_step(unquantized, s, toks, s.fed + s.decoded, (), placeholder, s.float_cache)[-1]
-                        s.float_errors.append(relative_error(got, ref, metric))
-                        s.float_agree.append(int(got.argmax()) == int(ref.argmax()))
-                    want = _oracle_step(model, s, toks, s.fed + s.decoded, taps, placeholder)[-1]
-                    s.errors.append(relative_error(got, want, metric))
-                    s.oracle_agree.append(int(got.argmax()) == int(want.argmax()))
-                if s.fed < len(s.prompt):
-                    s.fed += len(toks)
-                else:
-                    s.decoded += 1
-                s.next_token = int(logits[seq_id].argmax())
-                if s.fed == len(s.prompt):
-                    s.generated.append(s.next_token)
-            _finish(session, live)
+                for seq_id, r in rounds.items():
+                    slots[seq_id].next_token = r.tokens[-1]
+            for slot in held:
+                if slot.state is State.DECODING and by_id[slot.id].decoded >= by_id[slot.id].decode_steps:
+                    slot.finish()
         progress.update(total - progress.done)
-    if not stepwise:
-        _oracles_over_sequences(model, scripts, metric, placeholder, unquantized)
+    if not oracles.stepwise:
+        _oracles_over_sequences(model, scripts, metric, oracles.placeholder, unquantized)
     return stats
 
 
-def _finish(session: Session, live: list[Script]) -> None:
-    for s in list(live):
-        if s.fed == len(s.prompt) and s.decoded >= s.decode_steps:
-            session.release(s.seq_id)
-            live.remove(s)
+def _join(session: Session, oracles: Oracles, s: Script) -> None:
+    """A sequence the schedule admitted: the oracles' caches (step by step), its sequence, its image."""
+    if oracles.stepwise:
+        s.cache = ReferenceCache(oracles.model.args.layer_kv(), causal=oracles.causal)
+        if oracles.unquantized is not None:
+            s.float_cache = ReferenceCache(oracles.model.args.layer_kv(), causal=oracles.causal)
+    if oracles.draft is not None:
+        s.draft_cache = ReferenceCache(oracles.draft.layer_kv(), causal=False)
+    session.add(s.seq_id)
+    if s.image is not None:
+        _encode_image(session, oracles.model, oracles.vision, s, oracles.metric)
+
+
+def _check_step(logits: dict, feeds: dict, slots: dict, by_id: dict, oracles: Oracles, stats: dict) -> None:
+    """Each fed sequence's logits against the oracles (now, or kept for after the episode); its slot
+    told what it took, and the greedy token chosen where the step ended its prompt or decoded."""
+    decoding = [seq_id for seq_id in feeds if slots[seq_id].state is State.DECODING]
+    prefilling = len(feeds) - len(decoding)
+    stats["steps"] += 1
+    stats["mixed_steps"] += bool(decoding) and prefilling > 0
+    stats["decode_steps"] += not prefilling
+    stats["tokens"] += sum(len(t) for t in feeds.values())
+    metric, placeholder = oracles.metric, oracles.placeholder
+    for seq_id, toks in feeds.items():
+        s, slot, got = by_id[seq_id], slots[seq_id], logits[seq_id]
+        start = slot.fed + s.decoded  # the position of the step's first token of this sequence
+        if not oracles.stepwise:  # for the oracles after the episode
+            s.fed_tokens += toks
+            s.step_rows.append(len(s.fed_tokens) - 1)
+            s.step_logits.append(got.detach().reshape(-1).clone())
+        else:
+            if oracles.unquantized is not None:  # first: the quantized oracle's call takes the image rows
+                ref = _oracle_step(oracles.unquantized, s, toks, start, (), placeholder, s.float_cache)[-1]
+                s.float_errors.append(relative_error(got, ref, metric))
+                s.float_agree.append(int(got.argmax()) == int(ref.argmax()))
+            want = _oracle_step(oracles.model, s, toks, start, oracles.taps, placeholder)[-1]
+            s.errors.append(relative_error(got, want, metric))
+            s.oracle_agree.append(int(got.argmax()) == int(want.argmax()))
+        s.decoded += seq_id in decoding
+        if slot.took(len(toks)):
+            slot.next_token = int(got.argmax())
+            s.generated.append(slot.next_token)
