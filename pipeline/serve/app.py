@@ -1,7 +1,13 @@
 """The HTTP side: a FastAPI app over an ``Engine`` (in-process) or an ``EngineProcess`` (the server's).
 It validates and tokenizes requests (in a worker thread, off the event loop), queues them, and turns
 the engine's events into OpenAI responses or server-sent events. No model step ever runs on the event loop, nor in its process: ``/health``
-answers while the engine prefills a long prompt."""
+answers while the engine prefills a long prompt.
+
+While the engine is down (its process restarting, or the in-process engine's thread dead) a request is
+refused with 503 ``engine_unavailable`` and ``/health`` and ``/ready`` answer 503 with the reason. A
+request waiting for events never outlives the engine: every poll interval it checks that the engine is
+alive, and past its ``--request-timeout`` (and ``engine_grace`` more, for the engine to end it itself)
+it ends with 504 ``engine_timeout``, streamed or not."""
 
 import asyncio
 import json
@@ -19,10 +25,12 @@ from pipeline.errors import SessionError
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.serve import request as generation
 from pipeline.serve.engine import Overloaded
-from pipeline.serve.protocol import APIError, ChatRequest, CompletionRequest
+from pipeline.serve.protocol import APIError, ChatRequest, CompletionRequest, Render
 
 log = logging.getLogger("pipeline.serve")
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a sequence frees within a few decode steps
+DOWN_RETRY_AFTER_S = 5  # ... while the engine is down: a restarted engine process loads the artifact for seconds
+POLL_S = 0.25  # how often a waiting request checks its client, the engine and its deadline
 
 
 @dataclass
@@ -31,6 +39,9 @@ class Settings:
     api_key: str | None = None
     request_timeout: float | None = None  # seconds from arrival; None: none
     default_max_tokens: int = 512  # a chat without max_tokens on an artifact of unbounded context
+    # seconds past a request's deadline that the app waits for the engine to end it (it checks deadlines
+    # once per iteration, and an iteration is at most a long prefill chunk) before it answers 504 itself
+    engine_grace: float = 5.0
 
 
 def create_app(engine, prompts, settings: Settings) -> FastAPI:
@@ -61,15 +72,24 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
             raise APIError(401, "a valid API key is needed: Authorization: Bearer <key>", type="authentication_error",
                            code="invalid_api_key")
 
+    def down() -> str:
+        """Why the engine serves nothing now."""
+        return str(engine.error or "the engine is not running")
+
+    def unavailable(reason: str) -> APIError:
+        return APIError(503, f"the engine is not running ({reason}); retry later", type="server_error",
+                        code="engine_unavailable", headers={"Retry-After": str(DOWN_RETRY_AFTER_S)})
+
     @app.get("/health")
     async def health():
+        if not engine.alive:  # the process answers, but nothing can be served
+            return JSONResponse({"status": "unavailable", "error": down()}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready():
         if not engine.alive:
-            return JSONResponse({"status": "not ready", "error": str(engine.error or "the engine is not running")},
-                                status_code=503)
+            return JSONResponse({"status": "not ready", "error": down()}, status_code=503)
         running, waiting = engine.status()
         return {"status": "ready", "live_sequences": running, "queue_depth": waiting}
 
@@ -118,13 +138,25 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         """Queue ``request``; answer with one JSON body or a stream of events (``render`` makes the chunks)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        request.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        def emit(event: generation.Event) -> None:  # called from the engine's thread: never raises into it
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is closed (the server is shutting down): nobody waits for it
+                log.debug("request %d: a %r event after the event loop closed", request.id, event.kind)
+
+        request.emit = emit
+        if not engine.alive:
+            raise unavailable(down())
         try:
             engine.submit(request)
         except Overloaded as err:
             engine.count_rejected()
             raise APIError(503, f"the server is at capacity ({err}); retry later", type="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except SessionError as err:  # the engine went down since the check above
+            raise unavailable(str(err)) from None
+        give_up_at = request.deadline + settings.engine_grace if request.deadline is not None else None
         started = time.monotonic()
         rid = f"{'chatcmpl' if isinstance(body, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
@@ -141,7 +173,9 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
                     for chunk in render.start(rid):
                         yield _sse(chunk)
                     while True:
-                        event = await queue.get()
+                        event = await next_event(queue, request, give_up_at)
+                        if event is None:
+                            continue
                         if event.kind == "tokens":
                             if event.text or (request.logprobs is not None and event.tokens):
                                 yield _sse(render.chunk(rid, event, None))
@@ -168,9 +202,8 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         tokens, text = [], []
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=0.25)
-                except TimeoutError:
+                event = await next_event(queue, request, give_up_at)
+                if event is None:
                     if await http.is_disconnected():
                         engine.cancel(request)
                         line("cancelled by the client")
@@ -189,13 +222,32 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
             engine.cancel(request)
             raise
 
+    async def next_event(queue: asyncio.Queue, request: generation.Request, give_up_at: float | None):
+        """The engine's next event for ``request``; None after ``POLL_S`` without one. An error event of the
+        app's own when the engine died without ending the request (an in-process engine's thread can die
+        and leave it in no list) or has not ended it by ``give_up_at`` (stuck in a step)."""
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=POLL_S)
+        except TimeoutError:
+            pass
+        if not queue.empty():
+            return queue.get_nowait()
+        if not engine.alive:
+            return generation.Event("error", status=500, message=f"the engine stopped: {down()}", code="engine_failed")
+        if give_up_at is not None and time.monotonic() > give_up_at:
+            engine.cancel(request)
+            return generation.Event("error", status=504, code="engine_timeout", message=(
+                f"the engine did not answer within the server's --request-timeout of {request.deadline - request.arrived:.1f} s "
+                f"(and {settings.engine_grace:g} s more)"))
+        return None
+
     @app.post("/v1/chat/completions")
     async def chat(http: Request, body: ChatRequest):
         authorize(http)
         check_model(body)
         ids, images = await run_in_threadpool(prompts.chat, body)
         request = prepare(body, ids, images, None)
-        return await run(http, body, request, _Render(settings.model_name, tokenizer, chat=True))
+        return await run(http, body, request, Render(settings.model_name, tokenizer, chat=True))
 
     @app.post("/v1/completions")
     async def completions(http: Request, body: CompletionRequest):
@@ -203,70 +255,10 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         check_model(body)
         ids = await run_in_threadpool(prompts.completion, body)
         request = prepare(body, ids, [], 16)
-        return await run(http, body, request, _Render(settings.model_name, tokenizer, chat=False))
+        return await run(http, body, request, Render(settings.model_name, tokenizer, chat=False))
 
     return app
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-class _Render:
-    """OpenAI's response shapes, for chat (``chat.completion``) and completions (``text_completion``)."""
-
-    def __init__(self, model: str, tokenizer, chat: bool):
-        self.model, self.tokenizer, self.chat = model, tokenizer, chat
-        self.created = int(time.time())
-        self.offset = 0  # completions' text_offset
-
-    def _head(self, rid: str, obj: str) -> dict:
-        return {"id": rid, "object": obj, "created": self.created, "model": self.model}
-
-    def _logprobs(self, tokens: list) -> dict | None:
-        if not tokens or tokens[0].logprob is None:
-            return None
-        decode = self.tokenizer.decode
-        if self.chat:
-            def entry(token_id, logprob):
-                text = decode([token_id])
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-            return {"content": [entry(t.id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t in tokens:
-            text = decode([t.id])
-            out["tokens"].append(text)
-            out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({decode([i]): lp for i, lp in t.top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out
-
-    def start(self, rid: str) -> list[dict]:
-        if not self.chat:
-            return []
-        return [self._head(rid, "chat.completion.chunk") | {
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}]
-
-    def chunk(self, rid: str, event, finish_reason: str | None) -> dict:
-        logprobs = self._logprobs(event.tokens)
-        if self.chat:
-            delta = {"content": event.text} if event.text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            return self._head(rid, "chat.completion.chunk") | {"choices": [choice]}
-        choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._head(rid, "text_completion") | {"choices": [choice]}
-
-    def usage_chunk(self, rid: str, usage: dict) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._head(rid, obj) | {"choices": [], "usage": usage}
-
-    def whole(self, rid: str, text: str, tokens: list, finish_reason: str, usage: dict) -> dict:
-        logprobs = self._logprobs(tokens)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-            return self._head(rid, "chat.completion") | {"choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._head(rid, "text_completion") | {"choices": [choice], "usage": usage}

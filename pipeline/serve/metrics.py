@@ -1,6 +1,7 @@
 """The server's Prometheus metrics, in a registry of their own (``/metrics`` renders it): requests by
 outcome, the queue and the live sequences, tokens in and out, step time, time to first token,
-inter-token latency, and a draft's proposals and acceptances."""
+inter-token latency, and a draft's proposals and acceptances (the engine's, in its process); whether the engine
+process is up and how often it was restarted (the server process's own)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -30,6 +31,21 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.spec_proposed = Counter("pipeline_speculative_proposed_tokens", "Draft proposals the target verified", registry=r)
         self.spec_accepted = Counter("pipeline_speculative_accepted_tokens", "Draft proposals the target kept", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ProcessMetrics:
+    """The server process's own metrics, beside the engine process's: whether an engine serves, and how
+    often a dead one was replaced (``--engine-restarts``)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.engine_up = Gauge("pipeline_engine_up", "1 while an engine process serves, 0 while it is down or restarting",
+                               registry=self.registry)
+        self.engine_restarts = Counter("pipeline_engine_restarts", "Engine processes started to replace a dead one",
+                                       registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,11 @@
-"""The OpenAI API's requests as pydantic models, and its error object.
+"""The OpenAI API's requests as pydantic models, its error object, and its responses (``Render``).
 
 What the server does not do is refused, never ignored: an unknown field is a 400 naming it (the
 models forbid extra fields), and the known ones it does not implement (``n > 1``, ``tools``,
 ``response_format``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of > 1``) are a 400
 naming the field (``unsupported``)."""
 
+import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -132,3 +133,63 @@ class CompletionRequest(_Sampling):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) > 1:
             bad.append(f"a batch of {len(self.prompt)} prompts (one prompt per request)")
         return bad
+
+
+class Render:
+    """OpenAI's response shapes, for chat (``chat.completion``) and completions (``text_completion``)."""
+
+    def __init__(self, model: str, tokenizer, chat: bool):
+        self.model, self.tokenizer, self.chat = model, tokenizer, chat
+        self.created = int(time.time())
+        self.offset = 0  # completions' text_offset
+
+    def _head(self, rid: str, obj: str) -> dict:
+        return {"id": rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, tokens: list) -> dict | None:
+        if not tokens or tokens[0].logprob is None:
+            return None
+        decode = self.tokenizer.decode
+        if self.chat:
+            def entry(token_id, logprob):
+                text = decode([token_id])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [entry(t.id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            text = decode([t.id])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({decode([i]): lp for i, lp in t.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def start(self, rid: str) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._head(rid, "chat.completion.chunk") | {
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}]
+
+    def chunk(self, rid: str, event, finish_reason: str | None) -> dict:
+        logprobs = self._logprobs(event.tokens)
+        if self.chat:
+            delta = {"content": event.text} if event.text or finish_reason is None else {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return self._head(rid, "chat.completion.chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(rid, "text_completion") | {"choices": [choice]}
+
+    def usage_chunk(self, rid: str, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._head(rid, obj) | {"choices": [], "usage": usage}
+
+    def whole(self, rid: str, text: str, tokens: list, finish_reason: str, usage: dict) -> dict:
+        logprobs = self._logprobs(tokens)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+            return self._head(rid, "chat.completion") | {"choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(rid, "text_completion") | {"choices": [choice], "usage": usage}

@@ -1,7 +1,8 @@
 # ruff: noqa: F811  (the fixtures imported from server_fixtures are parameters of the tests)
 """The server against the ``Session`` it drives, through the ``openai`` client and plain HTTP, on a
 real server process: text, streaming, concurrency, seeds, logprobs, stop strings, cancellation, the
-queue limit, timeouts, bad requests, and liveness while a long prompt is prefilled."""
+queue limit, timeouts, bad requests, and liveness while a long prompt is prefilled; and the app over an
+in-process ``Engine`` whose thread dies or hangs: no request waits forever."""
 
 import base64
 import concurrent.futures
@@ -14,6 +15,8 @@ import torch
 
 from server_fixtures import (  # noqa: F401  (fixtures)
     API_KEY,
+    Stream,
+    app_server,
     chat_artifact,
     draft_server,
     draft_vision_artifact,
@@ -241,6 +244,87 @@ def test_the_queue_limit_refuses_and_timeouts_end_requests_cleanly(chat_artifact
         assert s.metric("pipeline_live_sequences") == 0 and s.metric("pipeline_queue_depth") == 0
         assert s.metric('pipeline_requests_total{outcome="rejected"}') == 1
         assert s.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+# --- the app over an in-process Engine (as the tests and bench/serve.py's "engine alone" drive it) ---
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture
+def in_process(chat_artifact):
+    from pipeline.runtime.session import Session
+    from pipeline.serve.engine import Engine
+    from pipeline.serve.metrics import Metrics
+
+    engine = Engine(Session(chat_artifact), Metrics())
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's planted death
+def test_a_dead_engine_thread_leaves_no_request_waiting_and_the_next_is_refused(in_process, chat_artifact):
+    """The engine thread dies in a step and its own clean-up fails too (the session cannot release the
+    sequences): it told no request. The app ends each with an error, and refuses the next with 503."""
+    from pipeline.serve.app import Settings
+
+    session = in_process.session
+    real_step = session.step
+
+    def step(feeds):
+        if len(feeds) >= 2:  # the stream and the whole request share this step
+            raise RuntimeError("a planted failure that kills the engine thread")
+        return real_step(feeds)
+
+    def release(seq_id):
+        raise RuntimeError("a planted failure of the clean-up")
+
+    session.step, session.release = step, release
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0}
+    with app_server(in_process, chat_artifact, Settings("tiny")) as port:
+        stream = Stream(port, body, timeout=30)
+        stream.read(1)  # generating
+        status, error = request(port, "POST", "/v1/completions", {**body, "max_tokens": 8}, timeout=30)
+        assert status == 500 and set(error["error"]) == ERROR_KEYS and error["error"]["code"] == "engine_failed", error
+        assert "a planted failure that kills the engine thread" in error["error"]["message"]
+        events = stream.read()
+        stream.close()
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_failed", events[-2:]
+        assert not in_process.alive
+        status, error = request(port, "POST", "/v1/completions", body, timeout=30)
+        assert status == 503 and set(error["error"]) == ERROR_KEYS and error["error"]["code"] == "engine_unavailable", error
+        status, health = request(port, "GET", "/health")
+        assert status == 503 and "planted" in health["error"]
+        status, ready = request(port, "GET", "/ready")
+        assert status == 503 and "planted" in ready["error"]
+
+
+def test_an_engine_that_does_not_answer_in_time_ends_whole_and_streamed_requests_with_504(in_process, chat_artifact):
+    """The engine is stuck in a step (it cannot check deadlines): past its --request-timeout and the
+    grace the app gives the engine, each request ends with 504 ``engine_timeout``."""
+    from pipeline.serve.app import Settings
+
+    session = in_process.session
+    real_step, gate = session.step, threading.Event()
+
+    def stuck(feeds):
+        gate.wait(60)
+        return real_step(feeds)
+
+    session.step = stuck
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    try:
+        with app_server(in_process, chat_artifact, Settings("tiny", request_timeout=0.5, engine_grace=0.5)) as port:
+            status, error = request(port, "POST", "/v1/completions", body, timeout=30)
+            assert status == 504 and set(error["error"]) == ERROR_KEYS and error["error"]["code"] == "engine_timeout", error
+            assert "--request-timeout of 0.5 s" in error["error"]["message"]
+            stream = Stream(port, body, timeout=30)
+            events = stream.read()
+            stream.close()
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_timeout", events
+    finally:
+        gate.set()
 
 
 # --- a draft and a vision encoder ---

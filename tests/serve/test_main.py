@@ -1,4 +1,5 @@
-"""``python -m pipeline.serve``'s refusals: one line, exit 2, before serving anything."""
+"""``python -m pipeline.serve``'s refusals: one line, exit 2, before serving anything (its exit 4, when a dead
+engine's restarts are spent, is test_worker.py's)."""
 
 import subprocess
 import sys
@@ -23,3 +24,8 @@ def test_an_artifact_without_a_tokenizer_is_refused(build_dir):
 def test_bad_flags_are_refused(tmp_path):
     out = serve(str(tmp_path), "--max-queue", "-1")
     assert out.returncode == 2 and "--max-queue=-1 must be >= 0" in out.stderr
+
+
+def test_a_negative_number_of_engine_restarts_is_refused(tmp_path):
+    out = serve(str(tmp_path), "--engine-restarts", "-1")
+    assert out.returncode == 2 and "--engine-restarts=-1 must be >= 0" in out.stderr
