@@ -13,9 +13,8 @@ request at a time; ``pip install -e '.[bench]'``) as a further peer.
 
 At each prompt length and client count, ``2 x clients`` (at least 4) streamed greedy completions, each
 prompt unique in the run (a fixed passage after a tag naming the request, cut to the length with
-SmolLM2's tokenizer), asking for ``--max-tokens``; llama-server is asked to ignore EOS (``ignore_eos``);
-ours has no such field and stops at EOS, so tokens/s counts the tokens each request generated (its
-``usage``). Per row: aggregate output tokens/s, requests/s, time to first token and inter-token latency
+SmolLM2's tokenizer), asking for ``--max-tokens`` past EOS (``ignore_eos``, both servers); tokens/s counts
+the tokens each request generated (its ``usage``). Per row: aggregate output tokens/s, requests/s, time to first token and inter-token latency
 (p50, p95), errors; a ratio table ours / llama-server; each server's resident memory (its process and
 its children: our engine is one) once ready and after its rows. The "engine alone" row runs the
 server's engine in this process through the 8-client row's requests of the first prompt length,
@@ -182,7 +181,7 @@ def servers(args: argparse.Namespace, longest: int) -> list[Server]:
         name = "ours " + Path(artifact).resolve().parent.name
         check_capacity(f"{artifact} (kv.capacity)", read(Path(artifact))[TARGET]["max_seq_len"], longest, args.max_tokens)
         out.append(Server(name, [sys.executable, "-m", "pipeline.serve", artifact, "--port", "{port}", "--model-name", "m",
-                                 "--max-queue", "256"], "/ready", {"stream_options": {"include_usage": True}}))
+                                 "--max-queue", "256"], "/ready", {"stream_options": {"include_usage": True}, "ignore_eos": True}))
     if not args.no_llama_server:
         check_capacity(f"llama-server's slot ({SLOT_TOKENS} tokens)", SLOT_TOKENS, longest, args.max_tokens)
         out.append(Server(PEER, [str(llama_server_path(args.llama_server)), "-m", str(args.gguf), "--host", "127.0.0.1",
@@ -213,8 +212,8 @@ def section(args, table: dict, memory: dict, alone: dict, alone_key: tuple, coun
              f"{' and '.join(map(str, args.prompt_tokens))}-token prompts, {args.max_tokens} tokens each)", "",
              f"`python bench/serve.py {shlex.join(sys.argv[1:])}` at {rev} ({time.strftime('%Y-%m-%d')}), one run, the "
              f"servers in turn, streamed greedy /v1/completions from one load generator (bench/_load.py); {peer}. Requests "
-             f"per row: 2 x clients (at least 4), each prompt unique in the run; prompt tokens {lengths}. Ours stops at "
-             "EOS (it has no `ignore_eos`): tokens/s counts the tokens each request generated (`tokens / request`).", "",
+             f"per row: 2 x clients (at least 4), each prompt unique in the run; prompt tokens {lengths}. Both servers "
+             "generate past EOS (`ignore_eos`); tokens/s counts the tokens each request generated (`tokens / request`).", "",
              *rows_table(table)]
     if PEER in table:
         lines += ["", "Ours / llama-server at each prompt length and client count (tok/s above 1, TTFT and ITL below 1: "

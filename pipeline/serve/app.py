@@ -132,7 +132,8 @@ def create_app(engine, prompts, settings: Settings) -> FastAPI:
         else:
             logprobs = body.logprobs
         deadline = time.monotonic() + settings.request_timeout if settings.request_timeout else None
-        return generation.Request(ids, max_tokens, params, body.stops(), logprobs, images, deadline=deadline)
+        return generation.Request(ids, max_tokens, params, body.stops(), logprobs, images, deadline=deadline,
+                                  ignore_eos=body.ignore_eos)
 
     async def run(http: Request, body, request: generation.Request, render):
         """Queue ``request``; answer with one JSON body or a stream of events (``render`` makes the chunks)."""

@@ -274,14 +274,15 @@ class Engine:
                 self.metrics.itl_seconds.observe((now - request.last_token_at) / len(tokens))
             logprob, top = (top_logprobs(logits, token, request.logprobs) if request.logprobs is not None else (None, []))
             out.append(Token(token, logprob, top))
-            if token in self.eos:
+            if token in self.eos and not request.ignore_eos:
                 finish = "stop"
                 break
             if len(request.generated) >= request.max_tokens:
                 finish = "length"
                 break
         request.last_token_at = now
-        new, finish = request.detokenize(self.session.tokenizer, [t.id for t in out if t.id not in self.eos], finish)
+        text_ids = [t.id for t in out if request.ignore_eos or t.id not in self.eos]
+        new, finish = request.detokenize(self.session.tokenizer, text_ids, finish)
         request.emit(Event("tokens", out, new))
         if finish is not None:
             self._finish(request, finish)

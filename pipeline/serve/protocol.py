@@ -61,6 +61,7 @@ class _Sampling(_Strict):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)  # an extension (vLLM and llama.cpp take it too); 0: no limit
+    ignore_eos: bool = False  # an extension (vLLM and llama.cpp take it too): generate max_tokens past EOS
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

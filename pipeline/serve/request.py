@@ -46,6 +46,7 @@ class Request:
     images: list = field(default_factory=list)  # PIL images, spliced over the prompt's placeholder tokens in order
     emit: object = None  # callable(Event), called from the engine thread
     deadline: float | None = None  # time.monotonic() past which the request ends with a timeout
+    ignore_eos: bool = False  # EOS neither ends it nor is left out of its text: it runs to max_tokens
     id: int = field(default_factory=itertools.count().__next__)
     # engine-side state
     cancelled: bool = False

@@ -106,3 +106,30 @@ def test_an_encoder_failure_is_the_servers_and_a_sequence_refused_is_the_request
     engine.iterate()
     assert (events[-1].status, events[-1].code) == (400, "invalid_request")
     assert list(session.seqs) == ["7"] and not engine.slots  # the session's own sequence 7 is left alone
+
+
+class Letters:
+    """A tokenizer of one letter a token (id 0 is EOS, decoded as nothing)."""
+
+    eos_token_id = 0
+    all_special_ids = [0]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if i == 0 and skip_special_tokens else "</s>" if i == 0 else chr(96 + i) for i in ids)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_runs_to_max_tokens(ignore_eos):
+    """A model that says EOS at once: a request ends there ("stop"), or with ``ignore_eos`` (vLLM's and
+    llama.cpp's extension, which the benchmark asks of both servers) runs to its max_tokens ("length")."""
+    session = StandIn(max_seqs=2, max_step_tokens=4)
+    session.tokenizer = Letters()
+    engine = Engine(session, Metrics())
+    events = []
+    request = Request([3, 4], 5, emit=events.append, ignore_eos=ignore_eos)
+    engine.submit(request)
+    for _ in range(8):
+        engine.iterate()
+    done = [e for e in events if e.kind == "done"]
+    assert len(done) == 1
+    assert (done[0].finish_reason, len(request.generated)) == (("length", 5) if ignore_eos else ("stop", 1))
