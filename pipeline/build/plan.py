@@ -176,7 +176,7 @@ def _layouts(cfg: DictConfig, parts: dict, chosen: Backend, capacity: int | None
         rule = part.role.kv_rule(cfg, part, parts)
         if rule is not None:
             layout = build_layout(kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
-            out[name] = layout.with_backend(chosen.planned_attention)  # the backend's step buffers
+            out[name] = dataclasses.replace(layout, planned=chosen.planned_attention)  # the backend's step buffers
     return out
 
 

@@ -10,8 +10,6 @@ in position order (``gather_values``): a decode reads its own column's rows, a p
 its column once for all its tokens, and no step reads another sequence's rows or the capacity.
 """
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
 from pipeline.kv.layouts import (
@@ -56,45 +54,7 @@ class SequenceLayout(KVLayout):
     def columns(self) -> int:
         return self.max_seqs if self.layout == "batched-sequence" else 1
 
-    def with_backend(self, planned: bool) -> "SequenceLayout":
-        # on CPU backends the flat layers attend in place (their rows are positions: a flat column never wraps)
-        if planned or "flat" not in self.kinds:
-            return super().with_backend(planned)
-        return dataclasses.replace(self, attention="in_place")
-
-    def in_place(self, layer: LayerStore) -> bool:
-        return self.attention == "in_place" and layer.kind == "flat"
-
-    def key_kinds(self) -> list[str]:
-        return [kind for kind in self.kinds if not (self.attention == "in_place" and kind == "flat")]
-
-    def dim_bound(self, dim: str) -> int:
-        if dim.startswith("col") and dim.endswith("_tokens"):
-            return self.step_width or max(self.max_step_tokens, self.max_seqs)
-        return super().dim_bound(dim)
-
-    def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
-        # in place, one store per column with a scratch row past its rows (where a column the step does not
-        # feed writes its placeholder token)
-        return (layer.rows + 1, self.n_kv_heads, self.head_dim) if self.in_place(layer) else super().store_shape(layer)
-
-    def stores(self, layer: LayerStore, layer_id: int) -> list[str]:
-        if not self.in_place(layer):
-            return super().stores(layer, layer_id)
-        return [f"{kv}_{layer_id}_c{c}" for kv in "kv" for c in range(self.columns)]
-
-    def kv_bytes_per_layer(self) -> list[int]:
-        item = DTYPE_BYTES[self.dtype]
-        return [len(self.stores(layer, 0)) * math.prod(self.store_shape(layer)) * item for layer in self.layers]
-
     def step_buffers(self) -> list[StepBuffer]:
-        if self.attention == "in_place":
-            columns = [b for c in range(self.columns) for b in (
-                StepBuffer(f"col{c}_q", (f"col{c}_tokens",)), StepBuffer(f"col{c}_rows", (f"col{c}_tokens",)))]
-            gathered = self.gather_buffers() if self.key_kinds() else []
-            seq_cols = [StepBuffer("seq_cols", ("n_tokens",))] if self.columns > 1 and gathered else []
-            return [*seq_cols, *columns, StepBuffer("col_starts", (self.columns,)), StepBuffer("col_out", ("n_tokens",)),
-                    *gathered]
         buffers = [StepBuffer("seq_cols", ("n_tokens",))] if self.columns > 1 else []
         if not self.planned:
             return buffers + self.gather_buffers()
@@ -107,12 +67,9 @@ class SequenceLayout(KVLayout):
         return constants
 
     def attention_scratch_bytes(self) -> int:
-        # the gathered layers' keys of both groups at their bounds (the program is planned for them): a
-        # column per token attending alone, and one column for the block; in-place layers copy no key
-        gathered = [layer for layer in self.layers if not self.in_place(layer)]
-        if not gathered:
-            return 0
-        column = max(2 * layer.rows * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] for layer in gathered)
+        # the ATen attention gathers the keys of its two groups at their bounds (the program is planned
+        # for them): a column per token attending alone, and one column for the block
+        column = max(2 * layer.rows * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] for layer in self.layers)
         return (max(self.max_step_tokens, self.max_seqs) + 1) * column
 
     def write_slots(self, call, pos, layer: LayerStore, step: dict):
@@ -142,10 +99,8 @@ class SequenceLayout(KVLayout):
         import torch
 
         buffers = {"seq_cols": torch.tensor([seq.slot for seq, n in order for _ in range(n)], dtype=torch.int64)}
-        if self.attention == "in_place":
-            buffers |= self._column_values(order)
         if not self.planned:
-            return buffers | (gather_values(order, self._keys_of) if self.key_kinds() else {})
+            return buffers | gather_values(order, self._keys_of)
         for kind in self.kinds:
             rows = self.rows_of(kind)
             segments = [run for seq, n in order for run in sequence_segments(seq.length + n, rows, seq.slot)]
@@ -154,64 +109,6 @@ class SequenceLayout(KVLayout):
                 info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
             buffers[f"seq_info_{kind}"] = info
         return buffers
-
-    def _column_values(self, order: list[tuple[SeqState, int]]) -> dict:
-        """The in-place layers' step buffers: per column its tokens in the step and the rows they write (a
-        column the step does not feed: token 0, written to the scratch row, read from position 0), the
-        column's first new position, and each token's row of the columns' outputs laid end to end."""
-        import torch
-
-        rows = self.rows_of("flat")
-        fed = {}
-        start = 0
-        for seq, n in order:
-            fed[seq.slot] = (seq, list(range(start, start + n)))
-            start += n
-        values, col_out, offset = {}, torch.empty(start, dtype=torch.int64), 0
-        starts = torch.zeros(self.columns, dtype=torch.int64)
-        for c in range(self.columns):
-            if c in fed:
-                seq, tokens = fed[c]
-                values[f"col{c}_q"] = torch.tensor(tokens, dtype=torch.int64)
-                values[f"col{c}_rows"] = torch.arange(seq.length, seq.length + len(tokens), dtype=torch.int64)
-                starts[c] = seq.length
-                col_out[tokens] = torch.arange(offset, offset + len(tokens))
-                offset += len(tokens)
-            else:
-                values[f"col{c}_q"] = torch.zeros(1, dtype=torch.int64)
-                values[f"col{c}_rows"] = torch.full((1,), rows, dtype=torch.int64)
-                offset += 1
-        return values | {"col_starts": starts, "col_out": col_out}
-
-    def attend_in_place(self, call, get_store, q, k, v, pos, layer: LayerStore, layer_id: int, step: dict, scale: float,
-                        nodes: dict):
-        """Graph nodes: write each column's tokens into its own stores, then ExecuTorch's ``llama::custom_sdpa``
-        over each column where it lies (rows 0 to its last new position: a flat column's rows are positions),
-        causal from the column's first new position; the columns' outputs in token order. q, k, v: [T, H, D]."""
-        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama::custom_sdpa)
-        import torch
-
-        aten = torch.ops.aten
-        outs = []
-        for c in range(self.columns):
-            mine = step[f"col{c}_q"]
-            if ("start", c) not in nodes:  # the column's first new position, once per step (custom_sdpa's
-                # own checks bound it by the store's rows when the method is exported again)
-                start = call(aten.select.int, (step["col_starts"], 0, c))
-                nodes["start", c] = call(aten._local_scalar_dense.default, (start,))
-            k_store = call(aten.index_copy_.default, (
-                get_store(f"k_{layer_id}_c{c}"), 0, step[f"col{c}_rows"], call(aten.index_select.default, (k, 0, mine))))
-            v_store = call(aten.index_copy_.default, (
-                get_store(f"v_{layer_id}_c{c}"), 0, step[f"col{c}_rows"], call(aten.index_select.default, (v, 0, mine))))
-            q_c = call(aten.unsqueeze.default, (call(aten.index_select.default, (q, 0, mine)), 0))  # [1, Tc, Hq, D]
-            # the stores as [1, rows + 1, Hkv, D] by view: ExecuTorch makes a static view an alias of the buffer
-            # (an unsqueeze would be a copy of the whole column per layer and step)
-            batch_of_one = [1, layer.rows + 1, self.n_kv_heads, self.head_dim]
-            out = call(torch.ops.llama.custom_sdpa.default, (
-                q_c, call(aten.view.default, (k_store, batch_of_one)), call(aten.view.default, (v_store, batch_of_one)),
-                nodes["start", c], None, 0.0, self.causal, scale))
-            outs.append(call(aten.squeeze.dim, (out, 0)))
-        return call(aten.index_select.default, (call(aten.cat.default, (outs,)), 0, step["col_out"]))
 
     def _keys_of(self, seq: SeqState, n: int) -> dict:
         """Per layer kind, the slots the sequence holds once the step wrote its n tokens, in position

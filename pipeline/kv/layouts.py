@@ -112,23 +112,9 @@ class KVLayout:
     # tokens one step of the model's step method takes (its token axis): a prefill chunk, a decode of
     # every sequence, a verification of every sequence's draft block; a draft's context and blocks
     step_width: int = 0
-    # the backend's attention (the manifest's ``attention``): "planned" on the GPU from seq_info
-    # (``kvcache::sdpa_varlen_plan``); on CPU backends "gather" from the store slots the host lists per
-    # query (``kvcache::sdpa_gather``), or "in_place": a sequence layout's flat layers read each column's
-    # own store where it lies (ExecuTorch's ``llama::custom_sdpa``), its ring layers gathered
-    attention: str = "gather"
-
-    @property
-    def planned(self) -> bool:
-        return self.attention == "planned"
-
-    def with_backend(self, planned: bool) -> "KVLayout":
-        """The layout for a backend whose attention is planned on the device (the GPU) or not."""
-        return dataclasses.replace(self, attention="planned" if planned else "gather")
-
-    def in_place(self, layer: LayerStore) -> bool:
-        """Whether ``layer`` attends over its own stores in place (``attend_in_place``)."""
-        return False
+    # the backend's attention: planned on the GPU from seq_info (``kvcache::sdpa_varlen_plan``), else
+    # gathered from the store slots the host lists per query (``kvcache::sdpa_gather``, GATHER_BUFFERS)
+    planned: bool = False
 
     @property
     def torch_dtype(self):
@@ -190,10 +176,6 @@ class KVLayout:
 
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)
-
-    def stores(self, layer: LayerStore, layer_id: int) -> list[str]:
-        """The names of a layer's store buffers (in the method's store module): K and V."""
-        return [f"k_{layer_id}", f"v_{layer_id}"]
 
     def kv_bytes_per_layer(self) -> list[int]:
         """K and V store bytes of each layer: 2 * rows * columns * Hkv * D * itemsize."""
@@ -310,7 +292,7 @@ def layout_from_manifest(kv: dict) -> KVLayout:
         layout=kv["layout"], max_seqs=kv["max_seqs"], capacity=kv["capacity"], max_step_tokens=kv["max_step_tokens"],
         causal=kv["causal"], n_kv_heads=kv["n_kv_heads"], head_dim=kv["head_dim"], dtype=kv["dtype"],
         layers=tuple(LayerStore(layer["kind"], layer["rows"], layer["window"]) for layer in kv["layers"]),
-        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"], attention=kv["attention"])
+        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"], planned=kv["attention"] == "planned")
 
 
 def gather_values(order: list[tuple[SeqState, int]], keys_of) -> dict:

@@ -132,12 +132,16 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
                 f"{node.name}: k has {k.meta['val'].shape[1]} heads of dim {k.meta['val'].shape[-1]}, "
                 f"the layout stores {layout.n_kv_heads} of dim {layout.head_dim}"
             )
-        for name in layout.stores(layer, layer_id):
-            stores.register_buffer(name, torch.zeros(layout.store_shape(layer), dtype=layout.torch_dtype))
+        shape = layout.store_shape(layer)
+        stores.register_buffer(f"k_{layer_id}", torch.zeros(shape, dtype=layout.torch_dtype))
+        stores.register_buffer(f"v_{layer_id}", torch.zeros(shape, dtype=layout.torch_dtype))
 
         with graph.inserting_before(node):
             call = graph.call_function
             pos = call(aten.view.default, (position, [-1]))  # [T]
+            if layer.kind not in slots_by_kind:
+                slots_by_kind[layer.kind] = layout.write_slots(call, pos, layer, step)
+            slots = slots_by_kind[layer.kind]
 
             def tokens_first(x):  # [1, H, T, D] -> [T, H, D]; a view, not select: XNNPACK takes views
                 # (with one dynamic size) into the partition around it, a select would split it
@@ -148,22 +152,10 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
                 store_dtype = layout.torch_dtype
                 return x if like.meta["val"].dtype == store_dtype else call(aten._to_copy.default, (x,), {"dtype": store_dtype})
 
-            if layout.in_place(layer):
-                q_store = to_store(tokens_first(q), q)  # ExecuTorch's kernel computes in the store's dtype
-                out = layout.attend_in_place(call, lambda name: graph.get_attr(f"{prefix}.{name}"), q_store,
-                                             to_store(tokens_first(k), k), to_store(tokens_first(v), v), pos, layer,
-                                             layer_id, step, scale, plans_by_kind)
-                if q.meta["val"].dtype != layout.torch_dtype:
-                    out = call(aten._to_copy.default, (out,), {"dtype": q.meta["val"].dtype})
-            else:
-                if layer.kind not in slots_by_kind:
-                    slots_by_kind[layer.kind] = layout.write_slots(call, pos, layer, step)
-                slots = slots_by_kind[layer.kind]
-                k_name, v_name = layout.stores(layer, layer_id)
-                k_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.{k_name}"), 0, slots, to_store(tokens_first(k), k)))
-                v_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.{v_name}"), 0, slots, to_store(tokens_first(v), v)))
-                out = layout.attend(call, tokens_first(q), k_store, v_store, pos, layer, step, scale, kernel,
-                                    plans_by_kind, q.meta["val"], v.meta["val"])
+            k_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
+            v_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
+            out = layout.attend(call, tokens_first(q), k_store, v_store, pos, layer, step, scale, kernel,
+                                plans_by_kind, q.meta["val"], v.meta["val"])
             n_heads, dv = q.meta["val"].shape[1], v.meta["val"].shape[3]
             out = call(aten.view.default, (call(aten.permute.default, (out, [1, 0, 2])), [1, n_heads, -1, dv]))  # [1, Hq, T, Dv]
             if out_dtype != q.meta["val"].dtype:  # the attention ops return q's dtype

@@ -60,9 +60,6 @@ class Session:
                 # the quantized embedding ops' kernels (embedding_byte / embedding_4bit) register with the
                 # runtime when this library loads; without it the method fails to load (OperatorMissing)
                 import executorch.kernels.quantized  # noqa: F401
-            if any(section.get("attention") == "in_place" for section in sections(self.manifest).values()):
-                # ExecuTorch's llama::custom_sdpa kernel registers with the runtime when its library loads
-                import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
             self.program = Runtime.get().load_program(str(artifact_dir / self.manifest["program"]))
             self.runtime = "executorch.runtime"
             self._check_constants()

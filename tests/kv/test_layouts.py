@@ -36,37 +36,21 @@ def test_layouts_from_config():
     assert batched.layout == "batched-sequence" and batched.columns == 8 and batched.max_segments == 16
     assert batched.store_shape(batched.layers[1]) == (128 * 8, 2, 16)
     gathered = ["one_q", "block_q", "out_rows"]
-    keys = [f"{group}_{what}_ring" for group in ("one", "block") for what in ("keys", "kpos")]
-    # as a CPU backend builds it: the flat layers in place (a pair of stores per column, a scratch row
-    # each), the ring layers gathered
-    in_place = batched.with_backend(planned=False)
-    assert in_place.attention == "in_place" and in_place.in_place(batched.layers[1]) and not in_place.in_place(batched.layers[0])
-    columns = [f"col{c}_{what}" for c in range(8) for what in ("q", "rows")]
-    assert [b.name for b in in_place.step_buffers()] == ["seq_cols", *columns, "col_starts", "col_out", *gathered, *keys]
-    assert in_place.stores(batched.layers[1], 1) == [f"{kv}_1_c{c}" for kv in "kv" for c in range(8)]
-    assert in_place.store_shape(batched.layers[1]) == (129, 2, 16)
-    assert in_place.kv_bytes_per_layer() == [2 * r * 2 * 16 * 4 for r in (31 * 8, 129 * 8, 31 * 8, 129 * 8)]
-    assert (in_place.dim_bound("col3_tokens"), in_place.dim_bound("one_keys_ring")) == (in_place.step_width, 31)
-    with pytest.raises(ValueError, match="one_keys_flat"):
-        in_place.dim_bound("one_keys_flat")  # the flat layers list no keys
-    flat_only = layout("model=tiny_flat", "kv.max_seqs=2").with_backend(planned=False)
-    assert [b.name for b in flat_only.step_buffers()] == [
-        "col0_q", "col0_rows", "col1_q", "col1_rows", "col_starts", "col_out"]
-    gathered_all = dataclasses.replace(batched, attention="gather")
-    assert [b.name for b in gathered_all.step_buffers()] == ["seq_cols", *gathered, *[
+    assert [b.name for b in batched.step_buffers()] == ["seq_cols", *gathered, *[
         f"{group}_{what}_{kind}" for kind in ("flat", "ring") for group in ("one", "block") for what in ("keys", "kpos")]]
-    assert [b.shape for b in gathered_all.step_buffers()][4:6] == [("one_tokens", "one_keys_flat")] * 2
-    assert (gathered_all.dim_bound("one_keys_ring"), gathered_all.dim_bound("block_keys_flat")) == (31, 128)
-    planned = batched.with_backend(planned=True)  # the GPU's: planned from seq_info
+    assert [b.shape for b in batched.step_buffers()][4:6] == [("one_tokens", "one_keys_flat")] * 2
+    assert (batched.dim_bound("one_keys_ring"), batched.dim_bound("block_keys_flat")) == (31, 128)
+    assert batched.dim_bound("one_tokens") == batched.step_width
+    planned = dataclasses.replace(batched, planned=True)  # the GPU's: planned from seq_info
     assert [b.name for b in planned.step_buffers()] == ["seq_cols", "seq_info_flat", "seq_info_ring"]
-    cell = layout("kv=cell").with_backend(planned=False)
-    assert cell.layout == "cell" and cell.attention == "gather" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
+    cell = layout("kv=cell")
+    assert cell.layout == "cell" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
     assert [b.name for b in cell.step_buffers()] == [
         "cell_ids", *gathered, "one_keys_cells", "one_kpos_cells", "block_keys_cells", "block_kpos_cells"]
     assert cell.dim_bound("one_keys_cells") == 512
     with pytest.raises(ValueError, match="one_keys_flat"):
         cell.dim_bound("one_keys_flat")
-    planned_cell = cell.with_backend(planned=True)
+    planned_cell = dataclasses.replace(cell, planned=True)
     assert [b.name for b in planned_cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
     assert [b.shape for b in planned_cell.step_buffers()][2:] == [("cells",), ("cells",)]
     assert planned_cell.dim_bound("cells") == 512

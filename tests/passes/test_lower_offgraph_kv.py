@@ -48,9 +48,7 @@ def test_every_neutral_node_lowered(lowered, name):
     assert user_inputs[:3] == ["embeddings", "positions", "logit_rows"]
     assert user_inputs[3:] == [b.name for b in layout.step_buffers()], "every step buffer is a method input"
     stores = {n: tuple(t.shape) for n, t in after.state_dict.items() if n.startswith("kv_store.")}
-    assert sorted(stores) == sorted(f"kv_store.{n}" for i, layer in enumerate(layout.layers) for n in layout.stores(layer, i))
-    # K and V per layer; in place, a pair per column of each flat layer, each with its scratch row
-    assert len(stores) == sum(2 * (layout.columns if layout.in_place(layer) else 1) for layer in layout.layers)
+    assert len(stores) == 2 * len(layout.layers)
     planned = sum(t.numel() * t.element_size() for n, t in after.state_dict.items() if n.startswith("kv_store."))
     assert planned == sum(layout.kv_bytes_per_layer())
 
@@ -117,7 +115,7 @@ def test_lowered_numbers_equal_oracle(lowered, name):
                 lengths[s] += 1
         step = {"seq_cols": torch.tensor(cols), "cell_ids": torch.tensor(ids), "q_seq_bits": torch.tensor(bits),
                 "cell_pos": cell_pos.clone(), "cell_owners": cell_owners.clone()}
-        step |= _gathered(layout, feeds, lengths, cell_pos, cell_owners) | _in_place(layout, feeds, lengths)
+        step |= _gathered(layout, feeds, lengths, cell_pos, cell_owners)
         last = torch.tensor(list(itertools_accumulate([len(t) for t in feeds.values()])))
         got = module(model.embed(torch.tensor(tokens)), torch.tensor(positions), last,
                      *[step[b.name] for b in layout.step_buffers()])
@@ -159,31 +157,6 @@ def _gathered(layout, feeds: dict, lengths: dict, cell_pos, cell_owners) -> dict
         step[f"one_kpos_{kind}"] = torch.tensor([p + [-1] * (width - len(p)) for _, p in lists])
         block = keys(block_seq, kind) if block_seq is not None else ([0], [-1])
         step[f"block_keys_{kind}"], step[f"block_kpos_{kind}"] = torch.tensor(block[0]), torch.tensor(block[1])
-    return step
-
-
-def _in_place(layout, feeds: dict, lengths: dict) -> dict:
-    """The in-place layers' buffers, by hand: each fed column's tokens, the rows they write (their positions)
-    and its first new position; an unfed column reads position 0 and writes its scratch row."""
-    if layout.attention != "in_place":
-        return {}
-    step, total = {"col_starts": torch.zeros(layout.columns, dtype=torch.int64)}, 0
-    for s, toks in feeds.items():
-        c = s if layout.columns > 1 else 0
-        first = lengths[s] - len(toks)
-        step[f"col{c}_q"] = torch.arange(total, total + len(toks))
-        step[f"col{c}_rows"] = torch.arange(first, lengths[s])
-        step["col_starts"][c] = first
-        total += len(toks)
-    out_rows, offset = [0] * total, 0
-    for c in range(layout.columns):
-        if f"col{c}_q" not in step:
-            step[f"col{c}_q"], step[f"col{c}_rows"] = torch.tensor([0]), torch.tensor([layout.rows_of("flat")])
-            offset += 1
-            continue
-        for tok in step[f"col{c}_q"].tolist():
-            out_rows[tok], offset = offset, offset + 1
-    step["col_out"] = torch.tensor(out_rows)
     return step
 
 

@@ -228,8 +228,7 @@ def test_attention_reads_only_the_rows_each_sequence_holds(batched):
     order = [(s.seqs[k], 1) for k in lengths]
     values = s.kv_layout.step_buffer_values(order, [], s.pool)
     columns = s.kv_layout.columns
-    assert s.kv_layout.key_kinds() == ["ring"], "the flat layers attend in place (the next test)"
-    for kind in s.kv_layout.key_kinds():
+    for kind in s.kv_layout.kinds:
         rows = s.kv_layout.rows_of(kind)
         for row, (seq, _) in enumerate(order):
             held = min(seq.length + 1, rows)
@@ -241,44 +240,11 @@ def test_attention_reads_only_the_rows_each_sequence_holds(batched):
     full = _gathered_logits(s, values, feeds)
     want = torch.stack([oracle.logits(k, [t]) for k, t in feeds.items()])
     assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
-    hidden = {**values, "one_kpos_ring": values["one_kpos_ring"].clone()}
-    hidden["one_kpos_ring"][1, lengths["b"]] = -1  # b's newest key (its own token) in the ring layers
+    hidden = {**values, "one_kpos_flat": values["one_kpos_flat"].clone()}
+    hidden["one_kpos_flat"][1, lengths["b"]] = -1  # b's newest key (its own token) in the flat layers
     short = _gathered_logits(s, hidden, feeds)
     assert (short[1] - full[1]).abs().max() > 1e-3, "hiding a listed key must change b's logits"
     assert torch.equal(short[0], full[0]), "a's list is untouched"
-
-
-def test_flat_layers_read_each_column_in_place(batched):
-    """In place, each column's tokens write its own stores at their positions and attend from the column's
-    first new position; a column the step does not feed writes only its scratch row, so a live sequence
-    left out of steps is found as it was. Reading a column from a later start changes that column's
-    logits only: the starts are live in the program."""
-    s = Session(batched)
-    oracle = Oracle(*BATCHED)
-    for seq_id, prompt in (("a", [5, 6, 7, 8]), ("b", [9, 10]), ("c", [3])):
-        s.add(seq_id)
-        oracle.add(seq_id)
-        step_and_check(s, oracle, {seq_id: prompt})
-    for t in range(4):  # b and c sit out while a decodes
-        step_and_check(s, oracle, {"a": [20 + t]})
-    order = [(s.seqs["b"], 1), (s.seqs["c"], 2)]
-    values = s.kv_layout.step_buffer_values(order, [], s.pool)
-    b, c = s.seqs["b"].slot, s.seqs["c"].slot
-    assert values[f"col{b}_q"].tolist() == [0] and values[f"col{b}_rows"].tolist() == [2]
-    assert values[f"col{c}_q"].tolist() == [1, 2] and values[f"col{c}_rows"].tolist() == [1, 2]
-    unfed = s.seqs["a"].slot
-    assert values[f"col{unfed}_rows"].tolist() == [s.kv_layout.rows_of("flat")], "the scratch row"
-    assert values["col_starts"][[b, c]].tolist() == [2, 1]
-    step_and_check(s, oracle, {"b": [11], "c": [12, 13]})
-    step_and_check(s, oracle, {"a": [30], "b": [31], "c": [32]})
-    feeds = {"a": 40, "b": 41}
-    values = s.kv_layout.step_buffer_values([(s.seqs[k], 1) for k in feeds], [], s.pool)
-    full = _gathered_logits(s, values, feeds)
-    later = {**values, "col_starts": values["col_starts"].clone()}
-    later["col_starts"][s.seqs["b"].slot] += 1  # b read from one row on: its newest key unseen
-    moved = _gathered_logits(s, later, feeds)
-    assert (moved[1] - full[1]).abs().max() > 1e-3, "b's start must change b's logits"
-    assert torch.equal(moved[0], full[0]), "a's column is untouched"
 
 
 def test_prefill_chunk_shares_one_key_list(batched):
@@ -293,7 +259,7 @@ def test_prefill_chunk_shares_one_key_list(batched):
     order = [(s.seqs["a"], 1), (s.seqs["b"], 4)]
     values = s.kv_layout.step_buffer_values(order, [], s.pool)
     assert values["block_q"].tolist() == [1, 2, 3, 4] and values["one_q"].tolist() == [0]
-    assert values["block_kpos_ring"].tolist() == list(range(5)), "b's rows once, after its 4 new tokens"
+    assert values["block_kpos_flat"].tolist() == list(range(5)), "b's rows once, after its 4 new tokens"
     assert values["out_rows"].tolist() == [0, 1, 2, 3, 4]
     step_and_check(s, oracle, {"a": [11], "b": [12, 13, 14, 15]})
 
