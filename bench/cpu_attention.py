@@ -6,6 +6,9 @@ sequence through this checkout's Session on every artifact, interleaved, for eve
 length. b29facf's step method reads every row of the store and writes the store out of place (a
 copy of the whole store and a copy back per layer); 0f9b356 reads the rows the step's sequences hold
 (`read_rows_<kind>`); this checkout also writes the stores in place (ExecuTorch's reinplace pass).
+Artifacts of revisions before c7f1bb0 (manifest schema 2: other step buffers) are refused by this
+checkout's Session: compare such revisions with `bench/attention_forms.py`, which drives each artifact
+through its own revision's Session.
 
     python bench/cpu_attention.py [--base REV ...] [--capacity 1024] [--seqs 1 8] [--contexts 64 512]
 """

@@ -5,11 +5,12 @@ its arrival to its first token), and its time to first token.
 
     python bench/serve_prefill.py --artifact outputs/smollm2_int4_long/v0001 [--long 1000]
 
-The policy (``pipeline/serve/engine.py``): every step feeds one token of each decoding stream, and the
-prompt takes the rest of the step's ``kv.max_step_tokens``. Writes the "serve_prefill" section of
+The policy (``pipeline/runtime/schedule.py``): every step feeds one token of each decoding stream, and the
+prompt takes the rest of the step's ``kv.max_step_tokens`` (at most ``--prefill-chunk`` while others decode). Writes the "serve_prefill" section of
 docs/benchmarks.md."""
 
 import argparse
+import shlex
 import subprocess
 import sys
 import threading
@@ -115,7 +116,7 @@ def main() -> int:
     for chunk in args.prefill_chunks:
         rows.append(measure(args, chunk, long_prompt, max_tokens))
     lines = [f"## Inter-token latency while a {n_long}-token prompt arrives ({args.streams} streams, CPU)", "",
-             f"`python bench/serve_prefill.py --artifact {args.artifact}` ({time.strftime('%Y-%m-%d')}): {args.streams} greedy "
+             f"`python bench/serve_prefill.py {shlex.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}): {args.streams} greedy "
              f"streams decode; a {n_long}-token prompt arrives and is prefilled in the width each step leaves "
              "(kv.max_step_tokens less one token per stream), or at most `--prefill-chunk` tokens a step. Gaps between "
              "the streams' tokens in the 3 s before it and while it is prefilled (its arrival to its first token), and "
