@@ -33,11 +33,11 @@ class KVConfigError(ConfigError):
 @dataclass(frozen=True)
 class AttentionKernel:
     """The attention ops a backend gives the store lowering (``Backend.attention_kernel``): the ATen
-    attention over the store slots the host lists for each query (``gather``: ``kvcache::sdpa_gather``),
-    or a plan computed once per step and layer kind (``plan``: ``kvcache::sdpa_varlen_plan``) and the
-    attention it drives (``attend``: ``kvcache::sdpa_varlen_attend``)."""
+    attention over the rows a step reads (``rows``: ``kvcache::sdpa_varlen_rows``), or a plan computed
+    once per step and layer kind (``plan``: ``kvcache::sdpa_varlen_plan``) and the attention it drives
+    (``attend``: ``kvcache::sdpa_varlen_attend``)."""
 
-    gather: object = None
+    rows: object = None
     plan: object = None
     attend: object = None
 
@@ -56,8 +56,8 @@ class LayerStore:
 @dataclass(frozen=True)
 class StepBuffer:
     name: str
-    # per axis an int, or a name: "n_tokens" (the step's token axis) or a length the session sets each
-    # step, from 1 to ``KVLayout.dim_bound(name)`` (the buffer carries a size the graph reads)
+    # ints, "n_tokens" for the step's token axis, or "rows_<kind>": a length from 1 to that layer
+    # kind's rows, set by the session each step (the buffer carries a size the graph reads)
     shape: tuple
     dtype: str = "int64"
 
@@ -112,9 +112,6 @@ class KVLayout:
     # tokens one step of the model's step method takes (its token axis): a prefill chunk, a decode of
     # every sequence, a verification of every sequence's draft block; a draft's context and blocks
     step_width: int = 0
-    # the backend's attention: planned on the GPU from seq_info (``kvcache::sdpa_varlen_plan``), else
-    # gathered from the store slots the host lists per query (``kvcache::sdpa_gather``, GATHER_BUFFERS)
-    planned: bool = False
 
     @property
     def torch_dtype(self):
@@ -138,41 +135,12 @@ class KVLayout:
     def rows_of(self, kind: str) -> int:
         return next(layer.rows for layer in self.layers if layer.kind == kind)
 
-    def key_kinds(self) -> list[str]:
-        """The key sets a gathered step lists: one per layer kind (each its own rows)."""
-        return self.kinds
-
-    def key_rows(self, kind: str) -> int:
-        """The most keys one query of a key set may read."""
-        return self.rows_of(kind)
-
     def dim_bound(self, dim: str) -> int:
-        """The largest value of a step buffer's named dimension other than ``n_tokens``."""
-        if dim in ("one_tokens", "block_tokens"):
-            return self.step_width or max(self.max_step_tokens, self.max_seqs)
-        for prefix in ("one_keys_", "block_keys_"):
-            if dim.startswith(prefix) and dim.removeprefix(prefix) in self.key_kinds():
-                return self.key_rows(dim.removeprefix(prefix))
-        raise ValueError(f"step buffer dimension {dim!r} is not one of this layout's: n_tokens, one_tokens, block_tokens, "
-                         f"one_keys_<kind> or block_keys_<kind> for {self.key_kinds()}")
-
-    def gather_buffers(self) -> list[StepBuffer]:
-        """The step buffers of the gathered attention (``kvcache::sdpa_gather``'s host-listed keys)."""
-        buffers = [StepBuffer("one_q", ("one_tokens",)), StepBuffer("block_q", ("block_tokens",)),
-                   StepBuffer("out_rows", ("n_tokens",))]
-        for kind in self.key_kinds():
-            buffers += [StepBuffer(f"one_keys_{kind}", ("one_tokens", f"one_keys_{kind}")),
-                        StepBuffer(f"one_kpos_{kind}", ("one_tokens", f"one_keys_{kind}")),
-                        StepBuffer(f"block_keys_{kind}", (f"block_keys_{kind}",)),
-                        StepBuffer(f"block_kpos_{kind}", (f"block_keys_{kind}",))]
-        return buffers
-
-    def gather_call(self, call, kernel: "AttentionKernel", q, k_store, v_store, pos, step: dict, kind: str,
-                    scale: float, window: int):
-        """Graph nodes: ``kvcache::sdpa_gather`` over the key set ``kind``'s host-listed slots."""
-        return call(kernel.gather, (
-            q, k_store, v_store, pos, step["one_q"], step[f"one_keys_{kind}"], step[f"one_kpos_{kind}"], step["block_q"],
-            step[f"block_keys_{kind}"], step[f"block_kpos_{kind}"], step["out_rows"], scale, self.causal, window))
+        """The largest value of a step buffer's named dimension other than ``n_tokens``: ``rows_<kind>``."""
+        kind = dim.removeprefix("rows_")
+        if dim == kind or kind not in self.kinds:
+            raise ValueError(f"step buffer dimension {dim!r} is neither n_tokens nor rows_<kind> of {self.kinds}")
+        return self.rows_of(kind)
 
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)
@@ -292,52 +260,7 @@ def layout_from_manifest(kv: dict) -> KVLayout:
         layout=kv["layout"], max_seqs=kv["max_seqs"], capacity=kv["capacity"], max_step_tokens=kv["max_step_tokens"],
         causal=kv["causal"], n_kv_heads=kv["n_kv_heads"], head_dim=kv["head_dim"], dtype=kv["dtype"],
         layers=tuple(LayerStore(layer["kind"], layer["rows"], layer["window"]) for layer in kv["layers"]),
-        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"], planned=kv["attention"] == "planned")
-
-
-def gather_values(order: list[tuple[SeqState, int]], keys_of) -> dict:
-    """The gathered attention's step buffers (``KVLayout.gather_buffers``) for a step of ``order``
-    (sequence, new tokens), its tokens in that order. ``keys_of(seq, n)`` -> {key set: (slots, positions)}:
-    the store slots the sequence holds after the step's writes, in position order, and their positions.
-
-    The widest multi-token entry (a prefill chunk, a verified block) is the block: its keys are
-    listed once and its tokens share them. Every other token attends alone over its own sequence's
-    list, padded to the longest (slot 0, position -1). An empty group holds one entry that sees nothing."""
-    import torch
-
-    widest = max(range(len(order)), key=lambda i: order[i][1], default=None)
-    block = widest if widest is not None and order[widest][1] > 1 else None
-    one_q, block_q, one_lists, block_keys, firsts = [], [], [], {}, []
-    start = 0
-    for i, (seq, n) in enumerate(order):
-        keys = keys_of(seq, n)
-        tokens = list(range(start, start + n))
-        if i == block:
-            block_q, block_keys = tokens, keys
-        else:
-            one_q += tokens
-            one_lists += [keys] * n
-        firsts.append(start)
-        start += n
-    n_one = max(len(one_q), 1)
-    out_rows = torch.empty(start, dtype=torch.int64)
-    out_rows[one_q] = torch.arange(len(one_q))
-    if block is not None:
-        out_rows[block_q] = n_one + torch.arange(len(block_q))
-    values = {"one_q": torch.tensor(one_q or [0], dtype=torch.int64),
-              "block_q": torch.tensor(block_q or [0], dtype=torch.int64), "out_rows": out_rows}
-    kinds = list(block_keys) if block is not None else list(one_lists[0]) if one_lists else []
-    for kind in kinds:
-        lists = [keys[kind] for keys in one_lists]
-        width = max([len(slots) for slots, _ in lists] + [1])
-        slots = torch.zeros(n_one, width, dtype=torch.int64)
-        kpos = torch.full((n_one, width), -1, dtype=torch.int64)
-        for row, (s, p) in enumerate(lists):
-            slots[row, : len(s)], kpos[row, : len(p)] = s, p
-        values[f"one_keys_{kind}"], values[f"one_kpos_{kind}"] = slots, kpos
-        s, p = block_keys[kind] if block is not None else (torch.zeros(1, dtype=torch.int64), torch.full((1,), -1))
-        values[f"block_keys_{kind}"], values[f"block_kpos_{kind}"] = s, p
-    return values
+        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"])
 
 
 def sequence_segments(length: int, rows: int, column: int) -> list[tuple[int, int, int, int]]:

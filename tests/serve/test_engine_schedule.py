@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeline.errors import SessionError
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.serve.engine import Engine
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.request import Request
@@ -126,7 +127,7 @@ def test_ignore_eos_runs_to_max_tokens(ignore_eos):
     session.tokenizer = Letters()
     engine = Engine(session, Metrics())
     events = []
-    request = Request([3, 4], 5, emit=events.append, ignore_eos=ignore_eos)
+    request = Request([3, 4], 5, SamplingParams(temperature=0), emit=events.append, ignore_eos=ignore_eos)  # greedy
     engine.submit(request)
     for _ in range(8):
         engine.iterate()
