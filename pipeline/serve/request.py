@@ -51,7 +51,6 @@ class Request:
     # engine-side state
     cancelled: bool = False
     finished: bool = False
-    fed: int = 0  # prompt tokens fed so far
     generated: list[int] = field(default_factory=list)
     detokenizer: Detokenizer | None = None  # its text so far, made at its first tokens
     arrived: float = field(default_factory=time.monotonic)
@@ -65,10 +64,6 @@ class Request:
     def cancel(self) -> None:
         """The client went away: the engine releases the sequence at its next iteration (thread-safe: a flag)."""
         self.cancelled = True
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.prompt)
 
     def detokenize(self, tokenizer, tokens: list[int], finish: str | None) -> tuple[str, str | None]:
         """The text to send now for the new ``tokens`` (no end-of-sequence token), given how they ended
