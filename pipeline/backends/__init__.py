@@ -39,6 +39,9 @@ class Backend:
     # compile decomposes each method in one retrace (the inlined ops with ExecuTorch's core ATen
     # table, ``pipeline/passes/edge.py``) instead of ``to_edge_transform_and_lower``'s four
     one_retrace = True
+    # the attention is planned on the device from the step's seq_info (the GPU's Triton kernel), not
+    # gathered from the slots the host lists (ATen on CPU): the layouts' step buffers follow it
+    planned_attention = False
 
     def attention_kernel(self):
         """The ops lower_kv's store lowering calls (``kv.layouts.AttentionKernel``): the ATen attention
@@ -48,7 +51,7 @@ class Backend:
         import pipeline.kernels.reference  # noqa: F401  (registers the kvcache:: attention ops)
         from pipeline.kv.layouts import AttentionKernel
 
-        return AttentionKernel(rows=torch.ops.kvcache.sdpa_varlen_rows.default)
+        return AttentionKernel(gather=torch.ops.kvcache.sdpa_gather.default)
 
     def inlined(self) -> dict:
         """Custom ops the backend has no kernel for -> their ATen bodies (run_decompositions table)."""

@@ -22,6 +22,7 @@ class Cuda(Backend):
     share_mutable_buffers = False
     reinplace_stores = False  # the store writes run inside the AOTI delegate
     one_retrace = False  # ExecuTorch's to_edge_transform_and_lower: the one-retrace path is not measured on a GPU
+    planned_attention = True
 
     def attention_kernel(self):
         import torch

@@ -46,6 +46,58 @@ def _acts_on(pass_, graph) -> bool:
     return bool(TRIGGERS[name] & present)
 
 
+def _partition_graph(graph):
+    """The graph with each tagged partition contracted to one vertex (its tag): a networkx DiGraph."""
+    import networkx as nx
+
+    group = {node: node.meta.get("delegation_tag") or node for node in graph.nodes}
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(set(group.values()))
+    quotient.add_edges_from((group[node], group[user]) for node in graph.nodes for user in node.users
+                            if group[node] != group[user])
+    return quotient
+
+
+def split_cyclic_partitions(graph, partition_tags: dict) -> list[str]:
+    """Partitions that depend on each other in a cycle, each split into its connected pieces; returns
+    the tags split.
+
+    ExecuTorch 1.5.1's XnnpackPartitioner proposes partitions with its GroupBasedPartitioner, which
+    merges any two partitions whose union has no path leaving it and coming back, connected or not.
+    Each partition is valid alone, but two of them can still need each other: A's q projection feeds
+    a node of B, and another node of B feeds A's key norm. ``to_backend`` fuses the first into one
+    call, and the second then fails with "Invalid partition, found dependency cycles" (a quantized
+    DFlash draft did). Here the partitions on a cycle of the contracted graph are split into their
+    weakly connected components (a dynamically quantized linear's chain is connected, so it stays
+    whole), until no cycle is left. Where none is, nothing changes."""
+    import networkx as nx
+
+    split = []
+    while True:
+        cyclic = {tag for scc in nx.strongly_connected_components(_partition_graph(graph)) if len(scc) > 1
+                  for tag in scc if isinstance(tag, str)}
+        if not cyclic:
+            return split
+        progress = False
+        for tag in sorted(cyclic):
+            members = [node for node in graph.nodes if node.meta.get("delegation_tag") == tag]
+            pieces = nx.Graph()
+            pieces.add_nodes_from(members)
+            pieces.add_edges_from((node, user) for node in members for user in node.users
+                                  if user.meta.get("delegation_tag") == tag)
+            components = sorted(nx.connected_components(pieces), key=lambda c: min(members.index(n) for n in c))
+            for i, component in enumerate(components[1:], 1):
+                partition_tags[f"{tag}_{i}"] = partition_tags[tag]
+                for node in component:
+                    node.meta["delegation_tag"] = f"{tag}_{i}"
+            if len(components) > 1:
+                split.append(tag)
+                progress = True
+        if not progress:
+            raise RuntimeError(f"XNNPACK's partitions {sorted(cyclic)} depend on each other in a cycle and each is "
+                               "connected: no split of them is known to be valid")
+
+
 class Xnnpack(Backend):
     name = "xnnpack"
     quantized_kernels = True  # qc8w / qb4w linears; the quantized embedding ops run in ExecuTorch's kernels
@@ -53,7 +105,13 @@ class Xnnpack(Backend):
     def partitioners(self, methods: list[str]):
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-        return [XnnpackPartitioner()]
+        class Acyclic(XnnpackPartitioner):
+            def partition(self, exported_program):
+                result = super().partition(exported_program)
+                split_cyclic_partitions(exported_program.graph_module.graph, result.partition_tags)
+                return result
+
+        return [Acyclic()]
 
     @contextlib.contextmanager
     def lowering(self):

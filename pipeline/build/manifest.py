@@ -11,7 +11,7 @@ from pathlib import Path
 from pipeline.build.roles import ROLES
 
 MANIFEST = "manifest.json"
-SCHEMA_VERSION = 2  # 2: a section per model (target, draft, vision), step_width
+SCHEMA_VERSION = 3  # 2: a section per model (target, draft, vision), step_width; 3: the attention's step buffers
 
 
 def sections(doc: dict) -> dict[str, dict]:
@@ -42,4 +42,8 @@ def manifest(model_sections: dict[str, dict], backend: str, program: str, data_f
 
 
 def read(artifact_dir: Path) -> dict:
-    return json.loads((Path(artifact_dir) / MANIFEST).read_text())
+    doc = json.loads((Path(artifact_dir) / MANIFEST).read_text())
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{Path(artifact_dir) / MANIFEST}: schema_version={doc.get('schema_version')} is not this "
+                         f"version's {SCHEMA_VERSION} (its step buffers differ); build the artifact again")
+    return doc

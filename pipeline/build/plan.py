@@ -175,7 +175,8 @@ def _layouts(cfg: DictConfig, parts: dict, chosen: Backend, capacity: int | None
     for name, part in parts.items():
         rule = part.role.kv_rule(cfg, part, parts)
         if rule is not None:
-            out[name] = build_layout(kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
+            layout = build_layout(kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
+            out[name] = dataclasses.replace(layout, planned=chosen.planned_attention)  # the backend's step buffers
     return out
 
 

@@ -22,6 +22,20 @@ Scores and the softmax are computed in fp32.
 ``sdpa_cells`` is the same attention for the cell layout: keys are cells of a
 shared pool, visible to query i when ``cell_owners & q_seq_bits[i] != 0`` and
 the causal and window bounds hold on ``cell_pos``.
+
+``sdpa_gather`` is the CPU backends' attention for every layout: the host lists the store slots a
+query reads (its own sequence's rows or cells, in position order, with their positions), so a step
+reads what its sequences hold and nothing else:
+
+    one       [T1, 2, 1 + N1]  tokens that attend alone, each over its own keys: one[:, 0, 0] the
+                               token, one[:, 0, 1:] its store slots, one[:, 1, 1:] their positions
+                               (-1 past the token's keys)
+    block_q   [Tb]             the tokens of one block (a prefill chunk: tokens of one sequence) that
+    block     [2, Nb]          share one key list, gathered once: block[0] slots, block[1] positions
+    out_rows  [T]              token i's output is row out_rows[i] of cat(one outputs, block outputs)
+
+A group with nothing to do holds one entry whose keys are all -1 (its output is never read).
+Visibility is ``kpos >= 0`` plus the causal and window bounds on positions.
 """
 
 import torch
@@ -71,6 +85,15 @@ def _f32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _window_causal_pos(visible: Tensor, key_pos: Tensor, q_pos: Tensor, causal: bool, window: int) -> Tensor:
+    # key_pos and q_pos already broadcast against each other
+    if causal:
+        visible = visible & (key_pos <= q_pos)
+    if window > 0:
+        visible = visible & (q_pos - key_pos < window)
+    return visible
+
+
 def _window_causal(visible: Tensor, key_pos: Tensor, q_pos: Tensor, causal: bool, window: int) -> Tensor:
     if causal:
         visible = visible & (key_pos <= q_pos[:, None])
@@ -98,6 +121,49 @@ def _column_visibility(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns:
     return _window_causal(visible, key_pos, q_pos.float(), causal, window)
 
 
+def _attend_group(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_idx: Tensor, key_slots: Tensor,
+                  key_pos: Tensor, scale: float, causal: bool, window: int) -> Tensor:
+    # B batches of Tq queries, each batch over its own N keys, in one bmm per (batch, KV head).
+    # q_idx: [B, Tq] token of each query  key_slots, key_pos: [B, N]  ->  [B * Tq, Hq, Dv]
+    n_batch, n_q = q_idx.shape
+    n_keys = key_slots.shape[1]
+    _, n_heads, d = q.shape
+    n_kv, dv = v_store.shape[1], v_store.shape[2]
+    group = n_heads // n_kv
+    flat = q_idx.reshape(-1)
+    qp = q_pos.index_select(0, flat).view(n_batch, n_q, 1)
+    kp = key_pos.reshape(n_batch, 1, n_keys)
+    visible = _window_causal_pos((kp >= 0) & (qp >= 0), kp, qp, causal, window)  # [B, Tq, N] (positions are >= 0)
+    # [B, Tq, Hkv, G * D] -> [B, Hkv, Tq, G * D] -> [B * Hkv, Tq * G, D]: query head h reads KV head h // G
+    qf = _f32(q).index_select(0, flat).view(n_batch, n_q, n_kv, group * d).permute(0, 2, 1, 3).reshape(
+        n_batch * n_kv, n_q * group, d)
+    slots = key_slots.reshape(-1)
+    kf = _f32(k_store.index_select(0, slots)).view(n_batch, n_keys, n_kv, d).permute(0, 2, 3, 1).reshape(
+        n_batch * n_kv, d, n_keys)
+    vf = _f32(v_store.index_select(0, slots)).view(n_batch, n_keys, n_kv, dv).permute(0, 2, 1, 3).reshape(
+        n_batch * n_kv, n_keys, dv)
+    scores = torch.bmm(qf, kf).view(n_batch, n_kv, n_q * group, n_keys) * scale
+    # the mask repeated for the G query heads of a KV head: [B, 1, Tq * G, N], a 4-d broadcast
+    bias = _hidden_bias(visible).view(n_batch, 1, n_q, 1, n_keys).expand(n_batch, 1, n_q, group, n_keys)
+    weights = torch.softmax(scores + bias.reshape(n_batch, 1, n_q * group, n_keys), dim=-1)
+    out = torch.bmm(weights.view(n_batch * n_kv, n_q * group, n_keys), vf)  # [B * Hkv, Tq * G, Dv]
+    out = out.view(n_batch, n_kv, n_q, group * dv).permute(0, 2, 1, 3).reshape(n_batch * n_q, n_heads, dv)
+    return out * visible.any(dim=-1).view(n_batch * n_q, 1, 1).to(torch.float32)
+
+
+def sdpa_gather_reference(
+    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, one: Tensor, block_q: Tensor, block: Tensor,
+    out_rows: Tensor, scale: float, causal: bool, window: int,
+) -> Tensor:
+    """Each query over the keys the host listed for it (module docstring): the one-token queries each
+    over its own row of keys (a decode reads its sequence's rows once), the block's queries over one
+    shared list (a prefill chunk reads its sequence's rows once, not once per token)."""
+    alone = _attend_group(q, k_store, v_store, q_pos, one[:, 0, :1], one[:, 0, 1:], one[:, 1, 1:], scale, causal, window)
+    shared = _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
+                           block[1].reshape(1, -1), scale, causal, window)
+    return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
+
+
 def sdpa_varlen_reference(
     q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
     seq_info: Tensor, columns: int, scale: float, causal: bool, window: int,
@@ -109,23 +175,6 @@ def sdpa_varlen_reference(
     # ExecuTorch's portable kernels.
     k = k_store.view(rows, columns, *k_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
     v = v_store.view(rows, columns, *v_store.shape[1:]).index_select(1, q_cols).transpose(0, 1)
-    return _attend_per_query(q, k, v, visible, scale)
-
-
-def sdpa_varlen_rows_reference(
-    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
-    seq_info: Tensor, columns: int, rows: int, scale: float, causal: bool, window: int,
-) -> Tensor:
-    """``sdpa_varlen`` over the first ``rows`` rows of every column of stores that may hold more
-    (every segment inside them): each query's keys are gathered in one ``index_select`` over
-    their slots (row * columns + column), so a step copies the rows its queries read, not a
-    prefix of every column (the copy a slice of the stores costs on ExecuTorch's CPU runtime)."""
-    visible = _column_visibility(q_pos, q_cols, seq_info, columns, rows, causal, window)
-    n_tok = q.shape[0]
-    row = torch.arange(rows, device=q.device, dtype=torch.int64)
-    slots = (row[None, :] * columns + q_cols[:, None]).reshape(-1)  # [T * rows]
-    k = k_store.index_select(0, slots).view(n_tok, rows, *k_store.shape[1:])
-    v = v_store.index_select(0, slots).view(n_tok, rows, *v_store.shape[1:])
     return _attend_per_query(q, k, v, visible, scale)
 
 
@@ -151,19 +200,6 @@ def _(q, k_store, v_store, q_pos, q_cols, seq_info, columns, scale, causal, wind
     return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])
 
 
-@torch.library.custom_op("kvcache::sdpa_varlen_rows", mutates_args=())
-def sdpa_varlen_rows(
-    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_cols: Tensor,
-    seq_info: Tensor, columns: int, rows: int, scale: float, causal: bool, window: int,
-) -> Tensor:
-    return sdpa_varlen_rows_reference(q, k_store, v_store, q_pos, q_cols, seq_info, columns, rows, scale, causal, window)
-
-
-@sdpa_varlen_rows.register_fake
-def _(q, k_store, v_store, q_pos, q_cols, seq_info, columns, rows, scale, causal, window):
-    return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])
-
-
 @torch.library.custom_op("kvcache::sdpa_cells", mutates_args=())
 def sdpa_cells(
     q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_seq_bits: Tensor,
@@ -177,10 +213,23 @@ def _(q, k_store, v_store, q_pos, q_seq_bits, cell_pos, cell_owners, scale, caus
     return q.new_empty(q.shape[0], q.shape[1], v_store.shape[-1])
 
 
+@torch.library.custom_op("kvcache::sdpa_gather", mutates_args=())
+def sdpa_gather(
+    q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, one: Tensor, block_q: Tensor, block: Tensor,
+    out_rows: Tensor, scale: float, causal: bool, window: int,
+) -> Tensor:
+    return sdpa_gather_reference(q, k_store, v_store, q_pos, one, block_q, block, out_rows, scale, causal, window)
+
+
+@sdpa_gather.register_fake
+def _(q, k_store, v_store, q_pos, one, block_q, block, out_rows, scale, causal, window):
+    return q.new_empty(out_rows.shape[0], q.shape[1], v_store.shape[-1])
+
+
 # ExecuTorch CPU backends have no kernel for the custom ops: compile replaces
 # them with their ATen bodies through this table.
 ATEN_DECOMPOSITIONS = {
     torch.ops.kvcache.sdpa_varlen.default: sdpa_varlen_reference,
-    torch.ops.kvcache.sdpa_varlen_rows.default: sdpa_varlen_rows_reference,
     torch.ops.kvcache.sdpa_cells.default: sdpa_cells_reference,
+    torch.ops.kvcache.sdpa_gather.default: sdpa_gather_reference,
 }

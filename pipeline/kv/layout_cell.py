@@ -5,15 +5,17 @@ its owners (an int64 bitset, one bit per sequence slot: at most 63 sequences). A
 the cells whose owners include its sequence's bit (``q_seq_bits``), by position, causal and window.
 
 The pool hands out its lowest free cells, so the cells in use stay a prefix: ``cell_pos`` and
-``cell_owners`` cover the cells up to the last one owned (after the step's writes), and the
-attention reads that prefix of the stores, not the whole pool.
+``cell_owners`` cover the cells up to the last one owned (after the step's writes), and the GPU's
+attention (inlined ATen, compiled by Inductor) reads that prefix of the stores. On CPU backends the
+session lists each sequence's own cells in position order instead (``gather_values``): a query reads
+its sequence's cells only, so a decode of S sequences reads the cells they hold once, not S times.
 """
 
 import bisect
 from dataclasses import dataclass
 
 from pipeline.errors import SessionError
-from pipeline.kv.layouts import CELL_OWNER_BITS, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer
+from pipeline.kv.layouts import CELL_OWNER_BITS, DTYPE_BYTES, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer, gather_values
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class CellLayout(KVLayout):
         return None  # the pool bounds the sequences together (``CellPool.choose``)
 
     def step_buffers(self) -> list[StepBuffer]:
+        if not self.planned:
+            return [StepBuffer("cell_ids", ("n_tokens",)), *self.gather_buffers()]
         return [
             StepBuffer("cell_ids", ("n_tokens",)),
             StepBuffer("q_seq_bits", ("n_tokens",)),
@@ -49,10 +53,20 @@ class CellLayout(KVLayout):
             StepBuffer("cell_owners", ("cells",)),
         ]
 
-    def dim_bound(self, dim: str) -> int:
-        if dim != "cells":
-            raise ValueError(f"step buffer dimension {dim!r} is neither n_tokens nor cells")
+    def key_kinds(self) -> list[str]:
+        return ["cells"]  # every layer reads the one pool (a ring layer by its window)
+
+    def key_rows(self, kind: str) -> int:
         return self.capacity
+
+    def dim_bound(self, dim: str) -> int:
+        return self.capacity if dim == "cells" else super().dim_bound(dim)
+
+    def attention_scratch_bytes(self) -> int:
+        # the gathered attention's keys at their bounds: a sequence's cells per token attending alone,
+        # and once for the block
+        cells = 2 * self.capacity * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return 0 if self.planned else (max(self.max_step_tokens, self.max_seqs) + 1) * cells
 
     def constants(self) -> dict[str, int]:
         # a cell artifact declares its pool, and no sequence count (that marks the sequence paths)
@@ -74,6 +88,8 @@ class CellLayout(KVLayout):
                plans: dict, q_meta, v_meta):
         import torch
 
+        if not kernel.planned:  # the cells the session listed: each query's own sequence's
+            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, "cells", scale, layer.window)
         # the cells up to the last one owned: the stores' prefix as long as cell_pos
         n_cells = call(torch.ops.aten.sym_size.int, (step["cell_pos"], 0))
         k_store = call(torch.ops.aten.slice.Tensor, (k_store, 0, 0, n_cells))
@@ -88,6 +104,8 @@ class CellLayout(KVLayout):
     def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: "CellPool") -> dict:
         import torch
 
+        if not self.planned:
+            return {"cell_ids": torch.tensor(chosen, dtype=torch.int64)} | gather_values(order, _cells_after(order, chosen, pool))
         cell_pos, cell_owners = pool.cell_pos.clone(), pool.cell_owners.clone()  # as the step will leave them
         bits = []
         taken = iter(chosen)
@@ -100,6 +118,25 @@ class CellLayout(KVLayout):
         n_cells = int(owned[-1]) + 1 if len(owned) else 1  # a step writes at least one cell
         return {"cell_ids": torch.tensor(chosen, dtype=torch.int64), "q_seq_bits": torch.tensor(bits, dtype=torch.int64),
                 "cell_pos": cell_pos[:n_cells], "cell_owners": cell_owners[:n_cells]}
+
+
+def _cells_after(order: list[tuple[SeqState, int]], chosen: list[int], pool: "CellPool"):
+    """keys_of for ``gather_values``: a sequence's cells once the step wrote its tokens into the cells
+    chosen for them (in ``order``'s turn), in position order, and their positions."""
+    import torch
+
+    new, taken = {}, iter(chosen)
+    for seq, n in order:
+        new[seq.slot] = [next(taken) for _ in range(n)]
+
+    def keys_of(seq: SeqState, n: int) -> dict:
+        held = torch.tensor(seq.cells, dtype=torch.int64)
+        cells = torch.cat([held, torch.tensor(new[seq.slot], dtype=torch.int64)])
+        positions = torch.cat([pool.cell_pos[held], torch.arange(seq.length, seq.length + n, dtype=torch.int64)])
+        order_by_pos = positions.argsort()
+        return {"cells": (cells[order_by_pos], positions[order_by_pos])}
+
+    return keys_of
 
 
 class CellPool(Pool):

@@ -4,18 +4,25 @@
 Token i of a step writes row ``(position % rows) * columns + seq_cols[i]`` of its layer's store;
 flat layers have ``rows = capacity``, ring (sliding-window) layers ``rows = window +
 max_step_tokens - 1`` (fewer, ``capacity``, when flat layers bound every sequence to ``capacity``
-tokens). The attention reads each query's column through ``seq_info`` runs (``sequence_segments``).
-
-Rows fill from 0 (a flat layer never wraps; a ring wraps once it is full), so the rows a step's
-sequences hold are a prefix of each column: ``read_rows_<kind>`` (one per layer kind) has one entry
-per row up to the last row any of them holds, and on CPU backends the attention reads the store's
-first ``len(read_rows) * columns`` slots only. A decode then costs what its sequences hold, not the
-capacity.
+tokens). The GPU's planned attention reads each query's column through ``seq_info`` runs
+(``sequence_segments``). On CPU backends the session lists, per layer kind, the slots a sequence holds
+in position order (``gather_values``): a decode reads its own column's rows, a prefill chunk reads
+its column once for all its tokens, and no step reads another sequence's rows or the capacity.
 """
 
 from dataclasses import dataclass
 
-from pipeline.kv.layouts import DTYPE_BYTES, AttentionKernel, KVLayout, LayerStore, Pool, SeqState, StepBuffer, sequence_segments
+from pipeline.kv.layouts import (
+    DTYPE_BYTES,
+    AttentionKernel,
+    KVLayout,
+    LayerStore,
+    Pool,
+    SeqState,
+    StepBuffer,
+    gather_values,
+    sequence_segments,
+)
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,9 @@ class SequenceLayout(KVLayout):
 
     def step_buffers(self) -> list[StepBuffer]:
         buffers = [StepBuffer("seq_cols", ("n_tokens",))] if self.columns > 1 else []
-        buffers += [StepBuffer(f"seq_info_{kind}", (self.max_segments, 4)) for kind in self.kinds]
-        return buffers + [StepBuffer(f"read_rows_{kind}", (f"rows_{kind}",)) for kind in self.kinds]
+        if not self.planned:
+            return buffers + self.gather_buffers()
+        return buffers + [StepBuffer(f"seq_info_{kind}", (self.max_segments, 4)) for kind in self.kinds]
 
     def constants(self) -> dict[str, int]:
         constants = {"get_offgraph_kv_max_seqs": self.max_seqs, "get_offgraph_kv_seq_capacity": self.capacity}
@@ -59,10 +67,10 @@ class SequenceLayout(KVLayout):
         return constants
 
     def attention_scratch_bytes(self) -> int:
-        # the ATen attention gathers each query token's column of the widest store, for the widest
-        # step: a prefill chunk or a decode of every sequence
+        # the ATen attention gathers the keys of its two groups at their bounds (the program is planned
+        # for them): a column per token attending alone, and one column for the block
         column = max(2 * layer.rows * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] for layer in self.layers)
-        return max(self.max_step_tokens, self.max_seqs) * column
+        return (max(self.max_step_tokens, self.max_seqs) + 1) * column
 
     def write_slots(self, call, pos, layer: LayerStore, step: dict):
         import torch
@@ -76,15 +84,10 @@ class SequenceLayout(KVLayout):
         import torch
 
         aten = torch.ops.aten
+        if not kernel.planned:  # the slots the session listed: each query's own sequence's rows
+            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, layer.kind, scale, layer.window)
         cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
         seq_info = step[f"seq_info_{layer.kind}"]
-        if not kernel.planned:
-            # the ATen attention reads (and gathers per query) the rows the step's sequences hold:
-            # the first len(read_rows) rows of each query's column
-            # (gathered from the whole stores: a slice of them would copy every column's rows)
-            n_read = call(aten.sym_size.int, (step[f"read_rows_{layer.kind}"], 0))
-            return call(kernel.rows, (
-                q, k_store, v_store, pos, cols, seq_info, self.columns, n_read, scale, self.causal, layer.window))
         if layer.kind not in plans:  # every layer of a kind has the same bounds and shapes: one plan
             plans[layer.kind] = call(kernel.plan, (
                 pos, cols, seq_info, self.columns, self.causal, layer.window, q_meta.shape[1],
@@ -96,6 +99,8 @@ class SequenceLayout(KVLayout):
         import torch
 
         buffers = {"seq_cols": torch.tensor([seq.slot for seq, n in order for _ in range(n)], dtype=torch.int64)}
+        if not self.planned:
+            return buffers | gather_values(order, self._keys_of)
         for kind in self.kinds:
             rows = self.rows_of(kind)
             segments = [run for seq, n in order for run in sequence_segments(seq.length + n, rows, seq.slot)]
@@ -103,10 +108,20 @@ class SequenceLayout(KVLayout):
             if segments:
                 info[: len(segments)] = torch.tensor(segments, dtype=torch.int64)
             buffers[f"seq_info_{kind}"] = info
-            # every row up to the last one a sequence of the step holds (at least one: the method's
-            # token axis is never empty)
-            buffers[f"read_rows_{kind}"] = torch.arange(max([first + count for _, first, count, _ in segments] or [1]))
         return buffers
+
+    def _keys_of(self, seq: SeqState, n: int) -> dict:
+        """Per layer kind, the slots the sequence holds once the step wrote its n tokens, in position
+        order (the last min(length, rows) positions), and their positions."""
+        import torch
+
+        length = seq.length + n
+        keys = {}
+        for kind in self.kinds:
+            rows = self.rows_of(kind)
+            positions = torch.arange(max(0, length - rows), length, dtype=torch.int64)
+            keys[kind] = ((positions % rows) * self.columns + seq.slot, positions)
+        return keys
 
 
 LAYOUT = SequenceLayout

@@ -33,11 +33,11 @@ class KVConfigError(ConfigError):
 @dataclass(frozen=True)
 class AttentionKernel:
     """The attention ops a backend gives the store lowering (``Backend.attention_kernel``): the ATen
-    attention over the rows a step reads (``rows``: ``kvcache::sdpa_varlen_rows``), or a plan computed
-    once per step and layer kind (``plan``: ``kvcache::sdpa_varlen_plan``) and the attention it drives
-    (``attend``: ``kvcache::sdpa_varlen_attend``)."""
+    attention over the store slots the host lists for each query (``gather``: ``kvcache::sdpa_gather``),
+    or a plan computed once per step and layer kind (``plan``: ``kvcache::sdpa_varlen_plan``) and the
+    attention it drives (``attend``: ``kvcache::sdpa_varlen_attend``)."""
 
-    rows: object = None
+    gather: object = None
     plan: object = None
     attend: object = None
 
@@ -56,8 +56,8 @@ class LayerStore:
 @dataclass(frozen=True)
 class StepBuffer:
     name: str
-    # ints, "n_tokens" for the step's token axis, or "rows_<kind>": a length from 1 to that layer
-    # kind's rows, set by the session each step (the buffer carries a size the graph reads)
+    # per axis an int, or a name: "n_tokens" (the step's token axis) or a length the session sets each
+    # step, from 1 to ``KVLayout.dim_bound(name)`` (the buffer carries a size the graph reads)
     shape: tuple
     dtype: str = "int64"
 
@@ -112,6 +112,9 @@ class KVLayout:
     # tokens one step of the model's step method takes (its token axis): a prefill chunk, a decode of
     # every sequence, a verification of every sequence's draft block; a draft's context and blocks
     step_width: int = 0
+    # the backend's attention: planned on the GPU from seq_info (``kvcache::sdpa_varlen_plan``), else
+    # gathered from the store slots the host lists per query (``kvcache::sdpa_gather``, GATHER_BUFFERS)
+    planned: bool = False
 
     @property
     def torch_dtype(self):
@@ -135,12 +138,41 @@ class KVLayout:
     def rows_of(self, kind: str) -> int:
         return next(layer.rows for layer in self.layers if layer.kind == kind)
 
-    def dim_bound(self, dim: str) -> int:
-        """The largest value of a step buffer's named dimension other than ``n_tokens``: ``rows_<kind>``."""
-        kind = dim.removeprefix("rows_")
-        if dim == kind or kind not in self.kinds:
-            raise ValueError(f"step buffer dimension {dim!r} is neither n_tokens nor rows_<kind> of {self.kinds}")
+    def key_kinds(self) -> list[str]:
+        """The key sets a gathered step lists: one per layer kind (each its own rows)."""
+        return self.kinds
+
+    def key_rows(self, kind: str) -> int:
+        """The most keys one query of a key set may read."""
         return self.rows_of(kind)
+
+    def dim_bound(self, dim: str) -> int:
+        """The largest value of a step buffer's named dimension other than ``n_tokens``."""
+        if dim == "block_tokens":
+            return self.step_width or max(self.max_step_tokens, self.max_seqs)
+        for prefix, extra in (("one_tokens_", None), ("one_width_", 1), ("block_keys_", 0)):
+            kind = dim.removeprefix(prefix)
+            if dim.startswith(prefix) and kind in self.key_kinds():
+                return self.dim_bound("block_tokens") if extra is None else self.key_rows(kind) + extra
+        raise ValueError(f"step buffer dimension {dim!r} is not one of this layout's: n_tokens, block_tokens, or "
+                         f"one_tokens_<kind>, one_width_<kind>, block_keys_<kind> for {self.key_kinds()}")
+
+    def gather_buffers(self) -> list[StepBuffer]:
+        """The step buffers of the gathered attention (``kvcache::sdpa_gather``'s host-listed keys).
+        Each named size is the size of one buffer alone (a size several inputs share is taken from
+        any of them, and the program read back by ``torch.export.load`` took it from another one than
+        the program in memory: the stage cache's compile was not the same program)."""
+        buffers = [StepBuffer("block_q", ("block_tokens",)), StepBuffer("out_rows", ("n_tokens",))]
+        for kind in self.key_kinds():
+            buffers += [StepBuffer(f"one_{kind}", (f"one_tokens_{kind}", 2, f"one_width_{kind}")),
+                        StepBuffer(f"block_{kind}", (2, f"block_keys_{kind}"))]
+        return buffers
+
+    def gather_call(self, call, kernel: "AttentionKernel", q, k_store, v_store, pos, step: dict, kind: str,
+                    scale: float, window: int):
+        """Graph nodes: ``kvcache::sdpa_gather`` over the key set ``kind``'s host-listed slots."""
+        return call(kernel.gather, (q, k_store, v_store, pos, step[f"one_{kind}"], step["block_q"], step[f"block_{kind}"],
+                                    step["out_rows"], scale, self.causal, window))
 
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)
@@ -260,7 +292,51 @@ def layout_from_manifest(kv: dict) -> KVLayout:
         layout=kv["layout"], max_seqs=kv["max_seqs"], capacity=kv["capacity"], max_step_tokens=kv["max_step_tokens"],
         causal=kv["causal"], n_kv_heads=kv["n_kv_heads"], head_dim=kv["head_dim"], dtype=kv["dtype"],
         layers=tuple(LayerStore(layer["kind"], layer["rows"], layer["window"]) for layer in kv["layers"]),
-        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"])
+        max_seq_len=kv["max_seq_len"], step_width=kv["step_width"], planned=kv["attention"] == "planned")
+
+
+def gather_values(order: list[tuple[SeqState, int]], keys_of) -> dict:
+    """The gathered attention's step buffers (``KVLayout.gather_buffers``) for a step of ``order``
+    (sequence, new tokens), its tokens in that order. ``keys_of(seq, n)`` -> {key set: (slots, positions)}:
+    the store slots the sequence holds after the step's writes, in position order, and their positions.
+
+    The widest multi-token entry (a prefill chunk, a verified block) is the block: its keys are
+    listed once and its tokens share them. Every other token attends alone over its own sequence's
+    list, padded to the longest (slot 0, position -1). An empty group holds one entry that sees nothing."""
+    import torch
+
+    widest = max(range(len(order)), key=lambda i: order[i][1], default=None)
+    block = widest if widest is not None and order[widest][1] > 1 else None
+    one_q, block_q, one_lists, block_keys = [], [], [], {}
+    start = 0
+    for i, (seq, n) in enumerate(order):
+        keys = keys_of(seq, n)
+        tokens = list(range(start, start + n))
+        if i == block:
+            block_q, block_keys = tokens, keys
+        else:
+            one_q += tokens
+            one_lists += [keys] * n
+        start += n
+    n_one = max(len(one_q), 1)
+    out_rows = torch.empty(start, dtype=torch.int64)
+    out_rows[one_q] = torch.arange(len(one_q))
+    if block is not None:
+        out_rows[block_q] = n_one + torch.arange(len(block_q))
+    values = {"block_q": torch.tensor(block_q or [0], dtype=torch.int64), "out_rows": out_rows}
+    kinds = list(block_keys) if block is not None else list(one_lists[0]) if one_lists else []
+    for kind in kinds:
+        lists = [keys[kind] for keys in one_lists]
+        width = max([len(slots) for slots, _ in lists] + [1])
+        one = torch.zeros(n_one, 2, width + 1, dtype=torch.int64)  # [token, slots...], [token, positions...]
+        one[:, 1, 1:] = -1
+        for row, (s, p) in enumerate(lists):
+            one[row, :, 0] = one_q[row]
+            one[row, 0, 1: 1 + len(s)], one[row, 1, 1: 1 + len(p)] = s, p
+        values[f"one_{kind}"] = one
+        values[f"block_{kind}"] = (torch.stack(block_keys[kind]) if block is not None
+                                   else torch.tensor([[0], [-1]], dtype=torch.int64))
+    return values
 
 
 def sequence_segments(length: int, rows: int, column: int) -> list[tuple[int, int, int, int]]:

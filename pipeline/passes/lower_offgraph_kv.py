@@ -75,24 +75,31 @@ def _example_step_buffers(layout: KVLayout, n_tokens: int) -> tuple[torch.Tensor
 
 
 def _step_buffer_dims(layout: KVLayout, token_dim) -> tuple:
-    """Dynamic shapes of the step buffers: the token axis, or ``rows_<kind>`` from 1 to that kind's rows."""
-    def dim(name):
-        if name == "n_tokens":
-            return token_dim
-        bound = layout.dim_bound(name)
-        return torch.export.Dim(name, min=1, max=bound) if bound > 1 else torch.export.Dim.STATIC
+    """Dynamic shapes of the step buffers: each named axis the token axis, or a length from 1 to
+    ``layout.dim_bound(name)`` (one ``Dim`` per name, shared by the buffers that name it)."""
+    dims = {"n_tokens": token_dim}
 
-    return tuple({0: dim(buf.shape[0])} if isinstance(buf.shape[0], str) else None for buf in layout.step_buffers())
+    def dim(name):
+        if name not in dims:
+            bound = layout.dim_bound(name)
+            dims[name] = torch.export.Dim(name, min=1, max=bound) if bound > 1 else torch.export.Dim.STATIC
+        return dims[name]
+
+    return tuple({axis: dim(d) for axis, d in enumerate(buf.shape) if isinstance(d, str)} or None
+                 for buf in layout.step_buffers())
 
 
 def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInputs,
                       kernel: AttentionKernel | None = None) -> ExportedProgram:
     """Rewrite every neutral KV node of ``ep``; ``kernel`` (``Backend.attention_kernel()``) picks the
-    attention: the ATen ``kvcache::sdpa_varlen_rows`` (``rows``, the default), or the planned form
+    attention: the ATen ``kvcache::sdpa_gather`` (``gather``, the default), or the planned form
     (``plan``: ``kvcache::sdpa_varlen_plan``, ``attend``: ``kvcache::sdpa_varlen_attend``):
     one plan per layer kind, shared by its layers. The store index math and the attention call are the
     layout's (``KVLayout.write_slots`` / ``attend``)."""
-    kernel = kernel or AttentionKernel(rows=torch.ops.kvcache.sdpa_varlen_rows.default)
+    kernel = kernel or AttentionKernel(gather=torch.ops.kvcache.sdpa_gather.default)
+    if kernel.planned != layout.planned:
+        raise LoweringError(f"the {'planned' if kernel.planned else 'gathered'} attention kernel cannot lower a layout "
+                            f"whose step buffers are for the {'planned' if layout.planned else 'gathered'} one")
     if count_neutral(ep) == 0:
         raise LoweringError("no kvcache::update_and_attend node to lower: was the model exported with the neutral op?")
     module = unlifted(ep)

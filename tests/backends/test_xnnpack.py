@@ -2,6 +2,7 @@
 (pipeline/passes/edge.py) and the per-partition passes skipped where they cannot act
 (pipeline/backends/xnnpack.py)."""
 
+import pytest
 import torch
 from torch.export import Dim
 
@@ -203,3 +204,60 @@ def test_legalize_in_place_gives_legalize_graphs_graph():
         new = [g.call_function(torch.relu, (next(iter(g.nodes)),)).name for g in (ours.graph, theirs.graph)]
         assert new[0] == new[1]
     assert reordered > 10  # the sort is not the identity on these graphs
+
+
+def _tagged_graph(tags: dict):
+    """x -> a1 = x + 1 -> b1 = a1 * 2;  x -> b2 = x - 1 -> a2 = b2 * 3;  out = a2 + b1, with the
+    delegation tags ``tags`` ({node name: tag}) as a partitioner would set them."""
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a1 = graph.call_function(torch.add, (x, 1), name="a1")
+    b1 = graph.call_function(torch.mul, (a1, 2), name="b1")
+    b2 = graph.call_function(torch.sub, (x, 1), name="b2")
+    a2 = graph.call_function(torch.mul, (b2, 3), name="a2")
+    graph.output(graph.call_function(torch.add, (a2, b1), name="out"))
+    for node in graph.nodes:
+        if node.name in tags:
+            node.meta["delegation_tag"] = tags[node.name]
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _fuse_in_turn(gm) -> None:
+    """Each tagged partition fused into one call in turn, as ExecuTorch's to_backend does."""
+    from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+    by_tag = {}
+    for node in gm.graph.nodes:
+        if "delegation_tag" in node.meta:
+            by_tag.setdefault(node.meta["delegation_tag"], {})[node] = None
+    fuse_by_partitions(gm, list(by_tag.values()))
+
+
+def test_partitions_that_need_each_other_are_split_into_their_pieces():
+    """Two partitions, each without a path out and back (valid alone), A = {a1, a2} and B = {b1, b2}:
+    A feeds B (a1 -> b1) and B feeds A (b2 -> a2), so fusing one makes the other cyclic, the failure
+    a quantized DFlash draft met. Split into connected pieces, every partition fuses."""
+    from pipeline.backends.xnnpack import split_cyclic_partitions
+
+    tags = {"a1": "tag0", "a2": "tag0", "b1": "tag1", "b2": "tag1"}
+    with pytest.raises(AssertionError, match="dependency cycles"):
+        _fuse_in_turn(_tagged_graph(tags))
+    gm = _tagged_graph(tags)
+    partition_tags = {"tag0": "spec", "tag1": "spec"}
+    assert sorted(split_cyclic_partitions(gm.graph, partition_tags)) == ["tag0", "tag1"]
+    assert partition_tags == {"tag0": "spec", "tag1": "spec", "tag0_1": "spec", "tag1_1": "spec"}
+    _fuse_in_turn(gm)
+    assert gm(torch.tensor(5.0)) == (5 - 1) * 3 + (5 + 1) * 2
+
+
+def test_partitions_without_a_cycle_are_left_as_they_are():
+    from pipeline.backends.xnnpack import split_cyclic_partitions
+
+    tags = {"a1": "tag0", "b1": "tag0", "b2": "tag1", "a2": "tag1"}  # each a connected chain
+    gm = _tagged_graph(tags)
+    partition_tags = {"tag0": "spec", "tag1": "spec"}
+    assert split_cyclic_partitions(gm.graph, partition_tags) == []
+    assert partition_tags == {"tag0": "spec", "tag1": "spec"}
+    assert {n.name: n.meta["delegation_tag"] for n in gm.graph.nodes if "delegation_tag" in n.meta} == tags

@@ -46,9 +46,13 @@ def test_program_matches_oracle_directly(build_dir):
     program = Runtime.get().load_program(str(version / "model.pte"))
     tokens = torch.randint(0, cfg.model.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
     emb = program.load_method("embed_text").execute([tokens])[0]
-    seq_info = torch.tensor([[0, 0, 12, 0], [0, 0, 0, 0]])  # flat and ring: rows 0..11; read_rows: 12 rows
+    # the 12 tokens are the step's block, over rows 0..11 of both layer kinds (no token attends alone)
+    rows = torch.arange(12)
+    # out_rows: token i is row 1 + i of cat(the empty alone group's one row, the block's 12)
+    gathered = [torch.tensor([0]), rows, rows + 1, *[t for _ in ("flat", "ring") for t in (
+        torch.tensor([[0]]), torch.tensor([[-1]]), rows, rows)]]
     got = program.load_method("target_forward_from_embeddings").execute(
-        [emb, torch.arange(12), torch.tensor([11]), seq_info, seq_info, torch.arange(12), torch.arange(12)])[0]
+        [emb, torch.arange(12), torch.tensor([11]), *gathered])[0]
     with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():
         want = model.logits(model.hidden(model.embed(tokens), torch.arange(12))[-1:])
     assert float((got - want).abs().max() / (want.max() - want.min())) <= 1e-4

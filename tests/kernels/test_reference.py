@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline.kernels.reference import sdpa_cells_reference, sdpa_varlen_reference, sdpa_varlen_rows_reference
+from pipeline.kernels.reference import sdpa_cells_reference, sdpa_gather_reference, sdpa_varlen_reference
 
 TOL = 1e-5
 
@@ -56,11 +56,6 @@ def test_sdpa_varlen_matches_float64(hq, hkv, causal, window):
     want = naive(q, keys_of, scale)
     assert torch.allclose(got.double(), want, atol=TOL, rtol=0)
     assert torch.all(got[-1] == 0), "a query that sees no key gets zeros"
-    # sdpa_varlen_rows: the same first `rows` rows of every column inside stores of 7 rows more (random)
-    big_k = torch.cat([k_store, torch.randn(7 * columns, hkv, d, generator=gen)])
-    big_v = torch.cat([v_store, torch.randn(7 * columns, hkv, d, generator=gen)])
-    got_rows = sdpa_varlen_rows_reference(q, big_k, big_v, q_pos, q_cols, seq_info, columns, rows, scale, causal, window)
-    assert torch.allclose(got_rows.double(), want, atol=TOL, rtol=0)
 
 
 def test_sdpa_varlen_detects_a_wrong_segment():
@@ -97,3 +92,61 @@ def test_sdpa_cells_matches_float64(causal, window):
         return k_store[vis], v_store[vis]
 
     assert torch.allclose(got.double(), naive(q, keys_of, 0.3), atol=TOL, rtol=0)
+
+
+def _gather_case(gen, hq, hkv, d, causal, window):
+    """A step of three sequences in a store of 40 slots: a decode, a 5-token chunk (the block) and a
+    2-token chunk attending alone; every list in position order, padded with slot 0 / position -1."""
+    k_store = torch.randn(40, hkv, d, generator=gen)
+    v_store = torch.randn(40, hkv, d, generator=gen)
+    perm = torch.randperm(40, generator=gen)
+    held = {0: (perm[:9], torch.arange(9)), 1: (perm[9:21], torch.arange(20, 32)), 2: (perm[21:24], torch.arange(3))}
+    # tokens: seq 0 decodes position 8; seq 1 prefills 27..31; seq 2 prefills 1..2
+    q_pos = torch.tensor([8, 27, 28, 29, 30, 31, 1, 2])
+    seq_of = [0, 1, 1, 1, 1, 1, 2, 2]
+    width = 9
+    one = torch.zeros(3, 2, 1 + width, dtype=torch.int64)  # per row: [token, slots...], [token, positions...]
+    one[:, 1, 1:] = -1
+    for row, tok in enumerate([0, 6, 7]):
+        slots, pos = held[seq_of[tok]]
+        one[row, :, 0] = tok
+        one[row, 0, 1: 1 + len(slots)], one[row, 1, 1: 1 + len(pos)] = slots, pos
+    block_q = torch.tensor([1, 2, 3, 4, 5])
+    out_rows = torch.tensor([0, 3, 4, 5, 6, 7, 1, 2])
+    q = torch.randn(8, hq, d, generator=gen)
+    args = (q, k_store, v_store, q_pos, one, block_q, torch.stack(held[1]), out_rows)
+
+    def keys_of(i):
+        slots, pos = held[seq_of[i]]
+        keep = torch.ones(len(pos), dtype=torch.bool)
+        if causal:
+            keep &= pos <= q_pos[i]
+        if window:
+            keep &= q_pos[i] - pos < window
+        return k_store[slots[keep]], v_store[slots[keep]]
+
+    return args, keys_of
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("causal,window", [(True, 0), (True, 3), (False, 0)])
+def test_sdpa_gather_matches_float64(hq, hkv, causal, window):
+    gen = torch.Generator().manual_seed(11 * hq + hkv + 5 * window + causal)
+    args, keys_of = _gather_case(gen, hq, hkv, 16, causal, window)
+    got = sdpa_gather_reference(*args, 0.3, causal, window)
+    want = naive(args[0], keys_of, 0.3)
+    assert torch.allclose(got.double(), want, atol=TOL, rtol=0)
+
+
+def test_sdpa_gather_detects_a_wrong_key_list():
+    """The float64 check can fail: a block key listed at a wrong position, or a query routed to another
+    output row, changes the answer."""
+    gen = torch.Generator().manual_seed(5)
+    args, keys_of = _gather_case(gen, 4, 2, 16, True, 0)
+    want = naive(args[0], keys_of, 0.3)
+    moved = list(args)
+    moved[6] = args[6] + torch.tensor([[0], [1]])  # every block key one position later: the diagonal hides one more key
+    assert not torch.allclose(sdpa_gather_reference(*moved, 0.3, True, 0).double(), want, atol=TOL, rtol=0)
+    swapped = list(args)
+    swapped[7] = args[7][[1, 0, 2, 3, 4, 5, 6, 7]]
+    assert not torch.allclose(sdpa_gather_reference(*swapped, 0.3, True, 0).double(), want, atol=TOL, rtol=0)

@@ -1,5 +1,7 @@
 """Layout index math and the checks of the kv config."""
 
+import dataclasses
+
 import pytest
 
 from conftest import compose_config
@@ -33,12 +35,26 @@ def test_layouts_from_config():
     batched = layout("kv.max_seqs=8")
     assert batched.layout == "batched-sequence" and batched.columns == 8 and batched.max_segments == 16
     assert batched.store_shape(batched.layers[1]) == (128 * 8, 2, 16)
-    assert [b.name for b in batched.step_buffers()] == [
-        "seq_cols", "seq_info_flat", "seq_info_ring", "read_rows_flat", "read_rows_ring"]
+    gathered = ["block_q", "out_rows"]
+    assert [b.name for b in batched.step_buffers()] == ["seq_cols", *gathered, "one_flat", "block_flat", "one_ring",
+                                                        "block_ring"]
+    # each named size in one buffer alone (the program read back from the stage cache sizes it the same)
+    assert [b.shape for b in batched.step_buffers()][3:5] == [("one_tokens_flat", 2, "one_width_flat"), (2, "block_keys_flat")]
+    assert (batched.dim_bound("one_width_ring"), batched.dim_bound("block_keys_flat")) == (32, 128)
+    assert batched.dim_bound("one_tokens_ring") == batched.dim_bound("block_tokens") == batched.step_width
+    planned = dataclasses.replace(batched, planned=True)  # the GPU's: planned from seq_info
+    assert [b.name for b in planned.step_buffers()] == ["seq_cols", "seq_info_flat", "seq_info_ring"]
     cell = layout("kv=cell")
     assert cell.layout == "cell" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
-    assert [b.name for b in cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
-    assert [b.shape for b in cell.step_buffers()][2:] == [("cells",), ("cells",)] and cell.dim_bound("cells") == 512
+    assert [b.name for b in cell.step_buffers()] == [
+        "cell_ids", *gathered, "one_cells", "block_cells"]
+    assert cell.dim_bound("one_width_cells") == 513
+    with pytest.raises(ValueError, match="one_width_flat"):
+        cell.dim_bound("one_width_flat")
+    planned_cell = dataclasses.replace(cell, planned=True)
+    assert [b.name for b in planned_cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
+    assert [b.shape for b in planned_cell.step_buffers()][2:] == [("cells",), ("cells",)]
+    assert planned_cell.dim_bound("cells") == 512
     # K and V, 4 layers: 2 * rows * columns * Hkv * D * 4 bytes
     assert batched.kv_bytes_per_layer() == [2 * r * 8 * 2 * 16 * 4 for r in (31, 128, 31, 128)]
 

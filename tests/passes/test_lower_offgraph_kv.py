@@ -12,7 +12,6 @@ import torch
 from conftest import compose_config
 from pipeline.build.plan import plan_of
 from pipeline.build.roles import TARGET, TARGET_STEP
-from pipeline.kv.layouts import sequence_segments
 from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
 from pipeline.stages import export
@@ -116,18 +115,49 @@ def test_lowered_numbers_equal_oracle(lowered, name):
                 lengths[s] += 1
         step = {"seq_cols": torch.tensor(cols), "cell_ids": torch.tensor(ids), "q_seq_bits": torch.tensor(bits),
                 "cell_pos": cell_pos.clone(), "cell_owners": cell_owners.clone()}
-        for kind in layout.kinds:
-            info = torch.zeros(layout.max_segments, 4, dtype=torch.int64)
-            runs = [r for s in feeds for r in sequence_segments(lengths[s], layout.rows_of(kind), s)]
-            info[: len(runs)] = torch.tensor(runs)
-            step[f"seq_info_{kind}"] = info
-            step[f"read_rows_{kind}"] = torch.arange(max(first + count for _, first, count, _ in runs))
+        step |= _gathered(layout, feeds, lengths, cell_pos, cell_owners)
         last = torch.tensor(list(itertools_accumulate([len(t) for t in feeds.values()])))
         got = module(model.embed(torch.tensor(tokens)), torch.tensor(positions), last,
                      *[step[b.name] for b in layout.step_buffers()])
         for i, (s, toks) in enumerate(feeds.items()):
             want = _oracle_logits(model, toks, lengths[s] - len(toks), caches[s])
             assert torch.allclose(got[i], want, atol=1e-4 * float(want.max() - want.min()), rtol=0)
+
+
+def _gathered(layout, feeds: dict, lengths: dict, cell_pos, cell_owners) -> dict:
+    """The gathered attention's step buffers, written out by hand: the first sequence's tokens are the
+    block when it feeds several, every other token attends alone over its sequence's keys."""
+    def keys(s, kind):  # (slots, positions) sequence s holds after the step, in position order
+        if layout.layout == "cell":
+            mine = ((cell_owners & (1 << s)) != 0).nonzero().flatten().tolist()
+            mine.sort(key=lambda c: int(cell_pos[c]))
+            return mine, [int(cell_pos[c]) for c in mine]
+        rows = layout.rows_of(kind)
+        pos = list(range(max(0, lengths[s] - rows), lengths[s]))
+        return [(p % rows) * layout.columns + (s if layout.columns > 1 else 0) for p in pos], pos
+
+    seqs = list(feeds)
+    block_seq = seqs[0] if len(feeds[seqs[0]]) > 1 else None
+    alone = [(s, i) for s in seqs if s != block_seq for i in range(len(feeds[s]))]
+    starts, total = {}, 0
+    for s in seqs:  # each sequence's first token in the step
+        starts[s], total = total, total + len(feeds[s])
+    one_q = [starts[s] + i for s, i in alone]
+    block_q = [starts[block_seq] + i for i in range(len(feeds[block_seq]))] if block_seq is not None else []
+    out_rows = [0] * total
+    for row, tok in enumerate(one_q):
+        out_rows[tok] = row
+    for j, tok in enumerate(block_q):
+        out_rows[tok] = max(len(one_q), 1) + j
+    step = {"block_q": torch.tensor(block_q or [0]), "out_rows": torch.tensor(out_rows)}
+    for kind in (["cells"] if layout.layout == "cell" else layout.kinds):
+        lists = [keys(s, kind) for s, _ in alone] or [([0], [-1])]
+        width = max(len(k) for k, _ in lists)
+        tokens = one_q or [0]  # each row: [token, slots...], [token, positions...]
+        step[f"one_{kind}"] = torch.tensor([[[t] + k + [0] * (width - len(k)), [t] + p + [-1] * (width - len(p))]
+                                            for t, (k, p) in zip(tokens, lists)])
+        step[f"block_{kind}"] = torch.tensor(keys(block_seq, kind) if block_seq is not None else ([0], [-1]))
+    return step
 
 
 def itertools_accumulate(counts):

@@ -202,10 +202,21 @@ def test_decode_step_may_be_wider_than_max_step_tokens(tmp_path):
         s.step({0: [1, 2], 1: [3, 4], 2: [5, 6]})
 
 
-def test_attention_reads_only_the_rows_the_step_holds(batched):
-    """``read_rows_<kind>``'s length bounds the rows the CPU attention reads: the session sends every row
-    up to the last one a sequence of the step holds; one row fewer changes the logits (the size is
-    live in the program), and the store's rows past it are never read."""
+def _gathered_logits(s, values, feeds: dict):
+    """The step method run on ``values`` (step buffers by name, edited by the caller), one logit row per
+    sequence of ``feeds`` ({seq: one token}), without committing anything to the session."""
+    method = s.method("target_forward_from_embeddings")
+    emb = s.method("embed_text").execute([torch.tensor(list(feeds.values()))])[0]
+    pos = torch.tensor([s.seqs[k].length for k in feeds])
+    names = [b["name"] for b in s.kv["step_buffers"]]
+    return method.execute([emb, pos, torch.arange(len(feeds)), *[values[n] for n in names]])[0].clone()
+
+
+def test_attention_reads_only_the_rows_each_sequence_holds(batched):
+    """The CPU attention reads the store slots the session lists per query: each decode its own
+    sequence's rows in position order (the shorter one's list padded with position -1, never another
+    column's rows). Hiding the longer sequence's last listed key changes its logits only: the lists are
+    live in the program."""
     s = Session(batched)
     oracle = Oracle(*BATCHED)
     gen = torch.Generator().manual_seed(5)
@@ -216,29 +227,47 @@ def test_attention_reads_only_the_rows_the_step_holds(batched):
         step_and_check(s, oracle, {seq_id: torch.randint(0, 512, (n,), generator=gen).tolist()})
     order = [(s.seqs[k], 1) for k in lengths]
     values = s.kv_layout.step_buffer_values(order, [], s.pool)
-    assert [len(values[f"read_rows_{kind}"]) for kind in s.kv_layout.kinds] == [
-        min(max(lengths.values()) + 1, s.kv_layout.rows_of(kind)) for kind in s.kv_layout.kinds]
-    method = s.method("target_forward_from_embeddings")
-    emb = s.method("embed_text").execute([torch.tensor([17, 23])])[0]
-    pos = torch.tensor([s.seqs[k].length for k in lengths])
-    names = [b["name"] for b in s.kv["step_buffers"]]
-
-    def logits(**replace):
-        return method.execute([emb, pos, torch.arange(2), *[replace.get(n, values[n]) for n in names]])[0].clone()
-
-    full = logits()
-    assert torch.equal(logits(), full)  # the step rewrites the same rows with the same keys: repeatable
-    want = torch.stack([oracle.logits(k, [t]) for k, t in zip(lengths, (17, 23), strict=True)])
+    columns = s.kv_layout.columns
+    for kind in s.kv_layout.kinds:
+        rows = s.kv_layout.rows_of(kind)
+        for row, (seq, _) in enumerate(order):
+            held = min(seq.length + 1, rows)
+            slots, kpos = values[f"one_{kind}"][row, :, 1:]
+            assert kpos[:held].tolist() == list(range(seq.length + 1 - held, seq.length + 1))
+            assert bool((kpos[held:] == -1).all()), "past a sequence's rows its list is padding"
+            assert bool((slots[:held] % columns == seq.slot).all()), "a query reads its own column only"
+    feeds = {"a": 17, "b": 23}
+    full = _gathered_logits(s, values, feeds)
+    want = torch.stack([oracle.logits(k, [t]) for k, t in feeds.items()])
     assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
-    short = logits(read_rows_flat=values["read_rows_flat"][:-1])
-    assert (short[1] - full[1]).abs().max() > 1e-3, "one row fewer must hide the longest sequence's last key"
-    assert torch.equal(short[0], full[0]), "the shorter sequence's rows all lie before the cut"
+    hidden = {**values, "one_flat": values["one_flat"].clone()}
+    hidden["one_flat"][1, 1, 1 + lengths["b"]] = -1  # b's newest key (its own token) in the flat layers
+    short = _gathered_logits(s, hidden, feeds)
+    assert (short[1] - full[1]).abs().max() > 1e-3, "hiding a listed key must change b's logits"
+    assert torch.equal(short[0], full[0]), "a's list is untouched"
 
 
-def test_cell_attention_reads_the_pool_prefix_in_use(build_dir):
-    """The pool hands out its lowest free cells (released ones too), and ``cell_pos``/``cell_owners``
-    cover the cells up to the last one owned: the attention reads that prefix of the pool; one cell
-    fewer hides the last key."""
+def test_prefill_chunk_shares_one_key_list(batched):
+    """A prefill chunk is the step's block: its sequence's rows are listed once for all its tokens
+    (``block_<kind>``), while a decode in the same step attends alone; both match the oracle."""
+    s = Session(batched)
+    oracle = Oracle(*BATCHED)
+    for seq_id, prompt in (("a", [5, 6, 7]), ("b", [9])):
+        s.add(seq_id)
+        oracle.add(seq_id)
+        step_and_check(s, oracle, {seq_id: prompt})
+    order = [(s.seqs["a"], 1), (s.seqs["b"], 4)]
+    values = s.kv_layout.step_buffer_values(order, [], s.pool)
+    assert values["block_q"].tolist() == [1, 2, 3, 4] and values["one_flat"][:, :, 0].tolist() == [[0, 0]]
+    assert values["block_flat"][1].tolist() == list(range(5)), "b's rows once, after its 4 new tokens"
+    assert values["out_rows"].tolist() == [0, 1, 2, 3, 4]
+    step_and_check(s, oracle, {"a": [11], "b": [12, 13, 14, 15]})
+
+
+def test_cell_attention_reads_each_sequences_own_cells(build_dir):
+    """The pool hands out its lowest free cells (released ones too); a query reads the cells of its own
+    sequence, listed in position order wherever they lie in the pool. Hiding one of b's cells changes
+    b's logits only."""
     s = Session(build_dir(*CELL))
     oracle = Oracle(*CELL)
     for seq_id, n in (("a", 6), ("b", 4)):
@@ -254,19 +283,14 @@ def test_cell_attention_reads_the_pool_prefix_in_use(build_dir):
     chosen = s.pool.choose(2)
     assert chosen == [3, 4]
     values = s.kv_layout.step_buffer_values(order, chosen, s.pool)
-    assert len(values["cell_pos"]) == len(values["cell_owners"]) == 10  # b's cells end at 9
-    method = s.method("target_forward_from_embeddings")
-    emb = s.method("embed_text").execute([torch.tensor([17, 23])])[0]
-    pos = torch.tensor([s.seqs["b"].length, s.seqs["c"].length])
-    names = [b["name"] for b in s.kv["step_buffers"]]
-
-    def logits(cut=0):
-        args = [values[n][: len(values[n]) - cut] if n in ("cell_pos", "cell_owners") else values[n] for n in names]
-        return method.execute([emb, pos, torch.arange(2), *args])[0].clone()
-
-    full = logits()
+    assert values["one_cells"][:, 0, 1:].tolist() == [[6, 7, 8, 9, 3], [0, 1, 2, 4, 0]]
+    assert values["one_cells"][:, 1, 1:].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, -1]]
+    feeds = {"b": 17, "c": 23}
+    full = _gathered_logits(s, values, feeds)
     want = torch.stack([oracle.logits("b", [17]), oracle.logits("c", [23])])
     assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
-    short = logits(cut=1)
-    assert (short[0] - full[0]).abs().max() > 1e-3, "one cell fewer must hide b's last key"
-    assert torch.equal(short[1], full[1]), "c's cells all lie before the cut"
+    hidden = {**values, "one_cells": values["one_cells"].clone()}
+    hidden["one_cells"][0, 1, 1 + 3] = -1
+    short = _gathered_logits(s, hidden, feeds)
+    assert (short[0] - full[0]).abs().max() > 1e-3, "hiding one of b's cells must change its logits"
+    assert torch.equal(short[1], full[1]), "c's cells are untouched"

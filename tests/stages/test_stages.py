@@ -47,7 +47,7 @@ def test_compile_alone_writes_program_and_manifest(staged):
     kv = manifest["target"]
     assert (kv["layout"], kv["max_seqs"], kv["max_segments"], kv["causal"]) == ("sequence", 1, 2, True)
     assert manifest["methods"]["target_forward_from_embeddings"] == [
-        "embeddings", "positions", "logit_rows", "seq_info_flat", "seq_info_ring", "read_rows_flat", "read_rows_ring"]
+        "embeddings", "positions", "logit_rows", "block_q", "out_rows", "one_flat", "block_flat", "one_ring", "block_ring"]
     program = Runtime.get().load_program(str(work / "model.pte"))
     assert program.load_method("get_offgraph_kv_max_seqs").execute([])[0] == 1
     assert program.load_method("get_offgraph_kv_max_segments").execute([])[0] == 2

@@ -144,6 +144,7 @@ def kv_section(layout, vocab_size: int) -> dict:
             {"kind": layer.kind, "rows": layer.rows, "window": layer.window, "store_shape": list(layout.store_shape(layer))}
             for layer in layout.layers
         ],
+        "attention": "planned" if layout.planned else "gather",  # which step buffers the session fills
         "step_buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype} for b in layout.step_buffers()],
         "kv_bytes_per_layer": layout.kv_bytes_per_layer(),
         "kv_bytes_total": sum(layout.kv_bytes_per_layer()),
