@@ -154,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-server", help="llama.cpp's llama-server (default: $LLAMA_SERVER, else the shared build)")
     parser.add_argument("--slots", type=int, default=8, help="llama-server's parallel slots (-np), 1,024 tokens each")
     parser.add_argument("--threads", type=int, default=2, help="the peers' CPU threads (-t)")
+    parser.add_argument("--prefill-chunks", type=int, nargs="*", default=[], metavar="N",
+                        help="also each artifact served with --prefill-chunk N (a row of its own)")
     parser.add_argument("--no-llama-server", action="store_true")
     parser.add_argument("--llama-cpp-python", action="store_true", help="also llama-cpp-python's server (one request at a time)")
     parser.add_argument("--no-engine-alone", action="store_true")
@@ -180,8 +182,12 @@ def servers(args: argparse.Namespace, longest: int) -> list[Server]:
     for artifact in args.artifacts:
         name = "ours " + Path(artifact).resolve().parent.name
         check_capacity(f"{artifact} (kv.capacity)", read(Path(artifact))[TARGET]["max_seq_len"], longest, args.max_tokens)
-        out.append(Server(name, [sys.executable, "-m", "pipeline.serve", artifact, "--port", "{port}", "--model-name", "m",
-                                 "--max-queue", "256"], "/ready", {"stream_options": {"include_usage": True}, "ignore_eos": True}))
+        chunks = [[]] + [["--prefill-chunk", str(n)] for n in args.prefill_chunks]
+        for chunk in chunks:
+            out.append(Server(f"{name} {' '.join(chunk)}".strip(),
+                              [sys.executable, "-m", "pipeline.serve", artifact, "--port", "{port}", "--model-name", "m",
+                               "--max-queue", "256", *chunk], "/ready",
+                              {"stream_options": {"include_usage": True}, "ignore_eos": True}))
     if not args.no_llama_server:
         check_capacity(f"llama-server's slot ({SLOT_TOKENS} tokens)", SLOT_TOKENS, longest, args.max_tokens)
         out.append(Server(PEER, [str(llama_server_path(args.llama_server)), "-m", str(args.gguf), "--host", "127.0.0.1",
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{memory[server.name]['end']:.0f} MB after its rows", flush=True)
     ours = [s.name for s in todo if s.name.startswith("ours ")]
     if not args.no_engine_alone:
-        for artifact, name in zip(args.artifacts, ours, strict=True):
+        for artifact, name in zip(args.artifacts, [n for n in ours if "--prefill-chunk" not in n], strict=True):
             alone[name] = engine_alone(artifact, sets[alone_key], args.max_tokens, alone_key[1])
             print(f"  {name}: the engine alone (no HTTP), {alone_key}: {alone[name]:.1f} tok/s", flush=True)
     text = section(args, table, memory, alone, alone_key, counts, ours)
