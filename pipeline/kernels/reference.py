@@ -27,9 +27,9 @@ the causal and window bounds hold on ``cell_pos``.
 query reads (its own sequence's rows or cells, in position order, with their positions), so a step
 reads what its sequences hold and nothing else:
 
-    one       [T1, 2, 1 + N1]  tokens that attend alone, each over its own keys: one[:, 0, 0] the
-                               token, one[:, 0, 1:] its store slots, one[:, 1, 1:] their positions
-                               (-1 past the token's keys)
+    one       [T1, 3, N1]      tokens that attend alone, each over its own keys: one[:, 0] its store
+                               slots, one[:, 1] their positions (-1 past the token's keys), one[:, 2]
+                               the token (every entry alike)
     block_q   [Tb]             the tokens of one block (a prefill chunk: tokens of one sequence) that
     block     [2, Nb]          share one key list, gathered once: block[0] slots, block[1] positions
     out_rows  [T]              token i's output is row out_rows[i] of cat(one outputs, block outputs)
@@ -158,7 +158,7 @@ def sdpa_gather_reference(
     """Each query over the keys the host listed for it (module docstring): the one-token queries each
     over its own row of keys (a decode reads its sequence's rows once), the block's queries over one
     shared list (a prefill chunk reads its sequence's rows once, not once per token)."""
-    alone = _attend_group(q, k_store, v_store, q_pos, one[:, 0, :1], one[:, 0, 1:], one[:, 1, 1:], scale, causal, window)
+    alone = _attend_group(q, k_store, v_store, q_pos, one[:, 2, :1], one[:, 0], one[:, 1], scale, causal, window)
     shared = _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
                            block[1].reshape(1, -1), scale, causal, window)
     return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)

@@ -49,8 +49,9 @@ def test_program_matches_oracle_directly(build_dir):
     # the 12 tokens are the step's block, over rows 0..11 of both layer kinds (no token attends alone)
     rows = torch.arange(12)
     # out_rows: token i is row 1 + i of cat(the empty alone group's one row, the block's 12)
-    gathered = [torch.tensor([0]), rows, rows + 1, *[t for _ in ("flat", "ring") for t in (
-        torch.tensor([[0]]), torch.tensor([[-1]]), rows, rows)]]
+    # block_q, out_rows, then per kind (flat, ring): one_<kind> [1, 3, 1] (no key), block_<kind> [2, 12]
+    gathered = [rows, rows + 1, *[t for _ in ("flat", "ring") for t in (
+        torch.tensor([[[0], [-1], [0]]]), torch.stack([rows, rows]))]]
     got = program.load_method("target_forward_from_embeddings").execute(
         [emb, torch.arange(12), torch.tensor([11]), *gathered])[0]
     with reference_cache(ReferenceCache(model.args.layer_kv())), torch.no_grad():

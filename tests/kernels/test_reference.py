@@ -105,12 +105,11 @@ def _gather_case(gen, hq, hkv, d, causal, window):
     q_pos = torch.tensor([8, 27, 28, 29, 30, 31, 1, 2])
     seq_of = [0, 1, 1, 1, 1, 1, 2, 2]
     width = 9
-    one = torch.zeros(3, 2, 1 + width, dtype=torch.int64)  # per row: [token, slots...], [token, positions...]
-    one[:, 1, 1:] = -1
+    one = torch.zeros(3, 3, width, dtype=torch.int64)  # per row: slots, positions, the token
+    one[:, 1] = -1
     for row, tok in enumerate([0, 6, 7]):
         slots, pos = held[seq_of[tok]]
-        one[row, :, 0] = tok
-        one[row, 0, 1: 1 + len(slots)], one[row, 1, 1: 1 + len(pos)] = slots, pos
+        one[row, 0, : len(slots)], one[row, 1, : len(pos)], one[row, 2] = slots, pos, tok
     block_q = torch.tensor([1, 2, 3, 4, 5])
     out_rows = torch.tensor([0, 3, 4, 5, 6, 7, 1, 2])
     q = torch.randn(8, hq, d, generator=gen)

@@ -153,9 +153,9 @@ def _gathered(layout, feeds: dict, lengths: dict, cell_pos, cell_owners) -> dict
     for kind in (["cells"] if layout.layout == "cell" else layout.kinds):
         lists = [keys(s, kind) for s, _ in alone] or [([0], [-1])]
         width = max(len(k) for k, _ in lists)
-        tokens = one_q or [0]  # each row: [token, slots...], [token, positions...]
-        step[f"one_{kind}"] = torch.tensor([[[t] + k + [0] * (width - len(k)), [t] + p + [-1] * (width - len(p))]
-                                            for t, (k, p) in zip(tokens, lists)])
+        tokens = one_q or [0]  # each row: slots, positions, the token
+        step[f"one_{kind}"] = torch.tensor([[k + [0] * (width - len(k)), p + [-1] * (width - len(p)), [t] * width]
+                                            for t, (k, p) in zip(tokens, lists, strict=True)])
         step[f"block_{kind}"] = torch.tensor(keys(block_seq, kind) if block_seq is not None else ([0], [-1]))
     return step
 
