@@ -12,6 +12,7 @@ its sequence's cells only, so a decode of S sequences reads the cells they hold 
 """
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 from pipeline.errors import SessionError
@@ -101,6 +102,13 @@ class CellLayout(KVLayout):
     def pool(self) -> "CellPool":
         return CellPool(self.capacity)
 
+    rows_in_column = False  # a slot is an owner bit; a sequence's rows are its cells
+
+    def holds_prefix(self, length: int, seq: SeqState) -> bool:
+        # every position has a cell of its own (a ring layer masks by its window, it overwrites nothing):
+        # the cells of the first ``length`` positions hold them while the pool holds the cells
+        return length <= seq.length
+
     def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: "CellPool") -> dict:
         import torch
 
@@ -140,7 +148,13 @@ def _cells_after(order: list[tuple[SeqState, int]], chosen: list[int], pool: "Ce
 
 
 class CellPool(Pool):
-    """Each cell's position and owners, and the free cells."""
+    """Each cell's position and owners, the free cells, and the cells of released sequences kept for the
+    prefix cache (``retained``: groups oldest first, each a released sequence's cells, owned by nobody).
+
+    A step's cells come from the free cells, lowest first, and only when those are too few from the
+    retained groups, least recently released first; a group one of whose cells is written (the step ran
+    or failed) is given up whole: its other cells are free again. ``generation`` counts each cell's
+    writes, so a receipt (the group and its cells' counts) no longer holds once any of them was written."""
 
     def __init__(self, n_cells: int):
         import torch
@@ -149,12 +163,25 @@ class CellPool(Pool):
         self.cell_pos = torch.zeros(n_cells, dtype=torch.int64)
         self.cell_owners = torch.zeros(n_cells, dtype=torch.int64)
         self.free_cells = list(range(n_cells))
+        self.retained: dict[int, list[int]] = {}  # group -> its cells, in release order (oldest first)
+        self.group_of: dict[int, int] = {}  # a retained cell -> its group
+        self.generation = [0] * n_cells
+        self._groups = itertools.count()
 
     def choose(self, n_tokens: int) -> list[int]:
-        if n_tokens > len(self.free_cells):
-            raise SessionError(f"the cell pool is full: the step needs {n_tokens} cells, "
-                               f"{len(self.free_cells)} of {self.n_cells} are free")
-        return self.free_cells[:n_tokens]
+        if n_tokens <= len(self.free_cells):
+            return self.free_cells[:n_tokens]
+        kept = [cell for cells in self.retained.values() for cell in cells]
+        if n_tokens > len(self.free_cells) + len(kept):
+            raise SessionError(f"the cell pool is full: the step needs {n_tokens} cells, {len(self.free_cells)} of "
+                               f"{self.n_cells} are free and {len(kept)} hold released sequences' prefixes")
+        return self.free_cells + kept[: n_tokens - len(self.free_cells)]
+
+    def writing(self, chosen: list[int]) -> None:
+        for group in {self.group_of[cell] for cell in chosen if cell in self.group_of}:
+            self._free(self._give_up(group))
+        for cell in chosen:
+            self.generation[cell] += 1
 
     def commit(self, order: list[tuple[SeqState, int]], chosen: list[int]) -> None:
         """``order``'s sequences take ``chosen`` in turn, n cells each (those a step wrote and keeps:
@@ -169,14 +196,55 @@ class CellPool(Pool):
         self.free_cells = [cell for cell in self.free_cells if cell not in kept]
 
     def release(self, seq: SeqState) -> None:
-        bit = 1 << seq.slot
+        self._free(self._disown(seq))
+
+    def retain(self, seq: SeqState) -> tuple[int, tuple[int, ...]]:
+        group = next(self._groups)
+        self.retained[group] = self._disown(seq)
+        self.group_of.update(dict.fromkeys(self.retained[group], group))
+        return group, tuple(self.generation[cell] for cell in seq.cells)
+
+    def holds(self, seq: SeqState, receipt) -> bool:
+        if receipt is None:
+            return False
+        group, generations = receipt
+        return (self.retained.get(group) == list(seq.cells)
+                and all(self.generation[cell] == g for cell, g in zip(seq.cells, generations, strict=True)))
+
+    def adopt(self, old: SeqState, receipt, new: SeqState, length: int) -> None:
+        """``new`` owns the cells of ``old``'s first ``length`` positions; the others are free."""
+        cells = self._give_up(receipt[0])
+        new.cells = [cell for cell in cells if int(self.cell_pos[cell]) < length]
+        for cell in new.cells:
+            self.cell_owners[cell] = 1 << new.slot
+        self._free([cell for cell in cells if int(self.cell_pos[cell]) >= length])
+
+    def evict(self, seq: SeqState, receipt) -> None:
+        if receipt is not None and receipt[0] in self.retained:
+            self._free(self._give_up(receipt[0]))
+
+    def _give_up(self, group: int) -> list[int]:
+        """A retained group's cells, no longer kept for it (owned by nobody, not yet free)."""
+        cells = self.retained.pop(group)
+        for cell in cells:
+            del self.group_of[cell]
+        return cells
+
+    def _disown(self, seq: SeqState) -> list[int]:
+        """Clear ``seq``'s owner bit from its cells; those nobody owns now."""
+        bit, alone = 1 << seq.slot, []
         for cell in seq.cells:
             self.cell_owners[cell] &= ~bit
             if self.cell_owners[cell] == 0:
-                bisect.insort(self.free_cells, cell)  # lowest first: the cells in use stay a prefix
+                alone.append(cell)
+        return alone
+
+    def _free(self, cells: list[int]) -> None:
+        for cell in cells:
+            bisect.insort(self.free_cells, cell)  # lowest first: the cells in use stay low
 
     def snapshot(self) -> tuple:
-        return list(self.free_cells), self.cell_pos.clone(), self.cell_owners.clone()
+        return list(self.free_cells), self.cell_pos.clone(), self.cell_owners.clone(), dict(self.retained), dict(self.group_of)
 
 
 LAYOUT = CellLayout

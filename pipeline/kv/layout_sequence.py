@@ -21,6 +21,7 @@ from pipeline.kv.layouts import (
     SeqState,
     StepBuffer,
     gather_values,
+    prefix_rows_held,
     sequence_segments,
 )
 
@@ -95,6 +96,14 @@ class SequenceLayout(KVLayout):
         return call(kernel.attend, (
             q, k_store, v_store, pos, plans[layer.kind], self.columns, scale, self.causal, layer.window))
 
+    def pool(self) -> "ColumnPool":
+        return ColumnPool(self.max_seqs)
+
+    def holds_prefix(self, length: int, seq: SeqState) -> bool:
+        # every layer of the column: a flat layer always, a ring layer by what later positions overwrote
+        return length <= seq.length and all(prefix_rows_held(length, seq.written, layer.rows, layer.window)
+                                            for layer in self.layers)
+
     def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: Pool) -> dict:
         import torch
 
@@ -122,6 +131,28 @@ class SequenceLayout(KVLayout):
             positions = torch.arange(max(0, length - rows), length, dtype=torch.int64)
             keys[kind] = ((positions % rows) * self.columns + seq.slot, positions)
         return keys
+
+
+class ColumnPool(Pool):
+    """The columns' generations: a column's count goes up each time a sequence takes it, so the rows a
+    released sequence left in its column are held while the count is the one it left (``retain``'s
+    receipt); nothing else needs keeping (a column's rows stay as written until a new sequence writes)."""
+
+    def __init__(self, columns: int):
+        self.generation = [0] * columns
+
+    def take(self, slot: int) -> None:
+        self.generation[slot] += 1
+
+    def retain(self, seq: SeqState) -> int:
+        return self.generation[seq.slot]
+
+    def holds(self, seq: SeqState, receipt) -> bool:
+        return receipt is not None and self.generation[seq.slot] == receipt
+
+    def adopt(self, old: SeqState, receipt, new: SeqState, length: int) -> None:
+        if new.slot != old.slot:
+            raise ValueError(f"a sequence adopts column {old.slot}'s rows in that column, not in column {new.slot}")
 
 
 LAYOUT = SequenceLayout

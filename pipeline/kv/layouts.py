@@ -69,21 +69,49 @@ class SeqState:
     slot: int  # column (sequence layouts) or owner bit (cell layout)
     length: int = 0
     cells: list[int] = field(default_factory=list)
+    # one past the highest position its rows were ever written at (the kept tokens, and the rows a
+    # rejected speculative block or a failed step wrote past them; an adopted sequence inherits the
+    # released one's): a ring row holds position q only while q >= written - rows (``prefix_rows_held``)
+    written: int = 0
 
 
 class Pool:
     """A layout's per-session state beyond the sequences' columns and lengths (the cell pool), with
     the transactional steps the session takes: ``choose`` what a step will write (nothing taken),
-    ``commit`` once the program ran, ``release`` a sequence (the step's buffers are the layout's
-    ``step_buffer_values``)."""
+    ``writing`` just before the program runs, ``commit`` once it ran, ``release`` a sequence (the
+    step's buffers are the layout's ``step_buffer_values``).
+
+    The prefix cache's side: ``retain`` releases a sequence but keeps its rows, returning a receipt;
+    ``holds`` says whether those rows are still untouched; ``adopt`` hands the rows of its first
+    positions to a new sequence; ``evict`` gives them up. A pool that keeps nothing (this base) holds
+    nothing: ``holds`` is False, so nothing is ever adopted from it."""
+
+    def take(self, slot: int) -> None:
+        """A new sequence takes ``slot`` (its column, in a sequence layout)."""
 
     def choose(self, n_tokens: int) -> list[int]:
         return []
+
+    def writing(self, chosen: list[int]) -> None:
+        """The program is about to write ``chosen`` (whether it then succeeds or fails)."""
 
     def commit(self, order: list[tuple[SeqState, int]], chosen: list[int]) -> None:
         pass
 
     def release(self, seq: SeqState) -> None:
+        pass
+
+    def retain(self, seq: SeqState) -> object:
+        self.release(seq)
+        return None
+
+    def holds(self, seq: SeqState, receipt) -> bool:
+        return False
+
+    def adopt(self, old: SeqState, receipt, new: SeqState, length: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no released rows to adopt")
+
+    def evict(self, seq: SeqState, receipt) -> None:
         pass
 
     def snapshot(self) -> tuple:
@@ -150,12 +178,12 @@ class KVLayout:
         """The largest value of a step buffer's named dimension other than ``n_tokens``."""
         if dim == "block_tokens":
             return self.step_width or max(self.max_step_tokens, self.max_seqs)
-        for prefix, extra in (("one_tokens_", None), ("one_width_", 1), ("block_keys_", 0)):
+        for prefix in ("one_tokens_", "one_keys_", "block_keys_"):
             kind = dim.removeprefix(prefix)
             if dim.startswith(prefix) and kind in self.key_kinds():
-                return self.dim_bound("block_tokens") if extra is None else self.key_rows(kind) + extra
+                return self.dim_bound("block_tokens") if prefix == "one_tokens_" else self.key_rows(kind)
         raise ValueError(f"step buffer dimension {dim!r} is not one of this layout's: n_tokens, block_tokens, or "
-                         f"one_tokens_<kind>, one_width_<kind>, block_keys_<kind> for {self.key_kinds()}")
+                         f"one_tokens_<kind>, one_keys_<kind>, block_keys_<kind> for {self.key_kinds()}")
 
     def gather_buffers(self) -> list[StepBuffer]:
         """The step buffers of the gathered attention (``kvcache::sdpa_gather``'s host-listed keys).
@@ -164,7 +192,7 @@ class KVLayout:
         the program in memory: the stage cache's compile was not the same program)."""
         buffers = [StepBuffer("block_q", ("block_tokens",)), StepBuffer("out_rows", ("n_tokens",))]
         for kind in self.key_kinds():
-            buffers += [StepBuffer(f"one_{kind}", (f"one_tokens_{kind}", 2, f"one_width_{kind}")),
+            buffers += [StepBuffer(f"one_{kind}", (f"one_tokens_{kind}", 3, f"one_keys_{kind}")),
                         StepBuffer(f"block_{kind}", (2, f"block_keys_{kind}"))]
         return buffers
 
@@ -222,6 +250,15 @@ class KVLayout:
 
     def pool(self) -> Pool:
         return Pool()
+
+    # a sequence's rows are its slot's column: taking the slot for another sequence takes its rows
+    # (sequence layouts); False: a slot is an owner bit and rows are the pool's (cell layout)
+    rows_in_column: ClassVar[bool] = True
+
+    def holds_prefix(self, length: int, seq: SeqState) -> bool:
+        """Whether a sequence resuming at ``length`` tokens from the (untouched) rows of the released
+        ``seq`` (``length <= seq.length``) reads only rows that still hold its positions."""
+        raise NotImplementedError
 
     def step_buffer_values(self, order: list[tuple[SeqState, int]], chosen: list[int], pool: Pool) -> dict:
         """The step buffers' tensors for a step of ``order`` (sequence, tokens) writing ``chosen``."""
@@ -328,15 +365,33 @@ def gather_values(order: list[tuple[SeqState, int]], keys_of) -> dict:
     for kind in kinds:
         lists = [keys[kind] for keys in one_lists]
         width = max([len(slots) for slots, _ in lists] + [1])
-        one = torch.zeros(n_one, 2, width + 1, dtype=torch.int64)  # [token, slots...], [token, positions...]
-        one[:, 1, 1:] = -1
+        one = torch.zeros(n_one, 3, width, dtype=torch.int64)  # per token: its slots, their positions, the token
+        one[:, 1] = -1
         for row, (s, p) in enumerate(lists):
-            one[row, :, 0] = one_q[row]
-            one[row, 0, 1: 1 + len(s)], one[row, 1, 1: 1 + len(p)] = s, p
+            one[row, 0, : len(s)], one[row, 1, : len(p)], one[row, 2] = s, p, one_q[row]
         values[f"one_{kind}"] = one
         values[f"block_{kind}"] = (torch.stack(block_keys[kind]) if block is not None
                                    else torch.tensor([[0], [-1]], dtype=torch.int64))
     return values
+
+
+def prefix_rows_held(length: int, written: int, rows: int, window: int) -> bool:
+    """Whether a column of ``rows`` rows (position q at row q % rows), written in position order up to
+    position ``written - 1``, holds what a sequence resuming at ``length`` tokens reads.
+
+    Row r holds the last position written to it: position q is still there iff no later one,
+    q + rows, was written, i.e. q >= written - rows. The resumed sequence's first query, at position
+    ``length``, reads keys from ``length - window + 1`` (a ring layer's window; a flat layer, window 0,
+    reads from 0) and later queries read later keys, or rows they wrote themselves; rows of older
+    positions are listed but masked by the window. So a prefix of ``length`` is held iff
+    ``max(0, length - window + 1) >= written - rows`` (or ``length == 0``). For a ring of
+    ``window + max_step_tokens - 1`` rows that has wrapped (``written > rows``), that is
+    ``length >= written - max_step_tokens``: only the last steps' worth of a wrapped ring's prefixes.
+    A flat layer (rows = capacity >= written) always holds every prefix."""
+    if length == 0:
+        return True
+    first_read = 0 if window == 0 else max(0, length - window + 1)
+    return first_read >= written - rows
 
 
 def sequence_segments(length: int, rows: int, column: int) -> list[tuple[int, int, int, int]]:

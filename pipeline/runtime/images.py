@@ -54,3 +54,14 @@ def splice(embeddings: torch.Tensor, tokens, placeholder: int, features: torch.T
     rows = [offset + i for i, t in enumerate(tokens) if t == placeholder][: len(features)]
     embeddings[0, rows] = features[: len(rows)].to(embeddings.dtype)
     return len(rows)
+
+
+def image_key(image) -> str:
+    """A digest of an image's pixels (its mode, shape, dtype and bytes): the prefix cache's key of an
+    image, so that the same tokens with another image are not a match."""
+    import hashlib
+
+    array = np.ascontiguousarray(np.asarray(image))
+    digest = hashlib.sha256(f"{getattr(image, 'mode', None)} {array.shape} {array.dtype.str}".encode())
+    digest.update(array.tobytes())
+    return digest.hexdigest()

@@ -28,6 +28,13 @@ class ModelState:
         values = self.layout.step_buffer_values(order, cells, self.pool)
         return [values[b["name"]] for b in self.section["step_buffers"]]
 
+    def writing(self, order: list[tuple[SeqState, int]], cells: list[int]) -> None:
+        """The program is about to write the step's rows (kept or not, run or failed): each sequence's
+        ``written`` mark moves past them, and the pool gives up any released rows among ``cells``."""
+        for seq, n in order:
+            seq.written = max(seq.written, seq.length + n)
+        self.pool.writing(cells)
+
     def commit(self, order: list[tuple[SeqState, int]], cells: list[int]) -> None:
         """The step ran: its sequences are longer, and its cells (cell layout) theirs."""
         self.pool.commit(order, cells)

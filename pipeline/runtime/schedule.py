@@ -14,7 +14,11 @@ The policy, in order:
 1. release: every done slot's sequence, first, so that its sequence and cells serve this plan;
 2. admit: waiting slots in arrival order while a sequence is free and (a cell layout) the pool holds
    the cells every live slot reserved plus this one's; the first that does not fit stops admission
-   (no later, smaller request overtakes it);
+   (no later, smaller request overtakes it). With ``prefix_cache``, each admitted slot may start from a
+   released sequence's rows for its prompt's first tokens (``Plan.prefixes``: all but the last prompt
+   token, whose logits choose the first generated token); the caller adds the sequence with that prefix
+   and tells the plan how many tokens the session reused (``Plan.admit``): the slot starts there, and
+   its chunk of this step moves past them;
 3. decode: every decoding slot is fed its next token, every step; with ``speculative`` they all take
    one speculative round instead (a second program call beside the step);
 4. prefill (the chunk policy): the step's width left by the decodes, ``max_step_tokens`` less one
@@ -57,10 +61,14 @@ class Slot:
         if not self.prompt:
             raise ValueError(f"slot {self.id!r} has an empty prompt: a sequence starts with at least one token")
 
-    def admit(self) -> None:
-        """It has a sequence now: its prompt is next."""
+    def admit(self, reused: int = 0) -> None:
+        """It has a sequence now, which holds the first ``reused`` prompt tokens already: the rest is next."""
         if self.state is not State.WAITING:
             raise ValueError(f"slot {self.id!r} is {self.state.value}, not waiting: it cannot be admitted")
+        if isinstance(reused, bool) or not isinstance(reused, int) or not 0 <= reused < len(self.prompt):
+            raise ValueError(f"slot {self.id!r}: reused={reused!r} must be an integer in [0, {len(self.prompt) - 1}] "
+                             "(its prompt's last token is always fed: its logits choose the first token)")
+        self.fed = reused
         self.state = State.PREFILLING
 
     def took(self, n: int) -> bool:
@@ -83,14 +91,16 @@ class Budget:
     """What one step may take: ``max_step_tokens`` (a step's width; a step of one token per sequence may
     take up to ``max_seqs``), ``max_seqs`` sequences, ``prefill_chunk`` (prompt tokens of a step while
     others decode; None: the width they leave), ``speculative`` (decoding slots take a speculative round
-    instead of a token of the step) and ``cells`` (a cell pool's size: admission keeps the live slots'
-    reservations within it; None: no pool)."""
+    instead of a token of the step), ``cells`` (a cell pool's size: admission keeps the live slots'
+    reservations within it; None: no pool) and ``prefix_cache`` (admitted slots may start from the rows
+    of a released sequence that began alike: ``Plan.prefixes``)."""
 
     max_step_tokens: int
     max_seqs: int
     prefill_chunk: int | None = None
     speculative: bool = False
     cells: int | None = None
+    prefix_cache: bool = False
 
     def __post_init__(self):
         for name in ("max_step_tokens", "max_seqs", "prefill_chunk"):
@@ -103,14 +113,30 @@ class Budget:
 
 @dataclass
 class Plan:
-    """One step, as data: the slots whose sequences to release, the slots to admit (add their sequences),
-    the target step's feeds (sequence id -> tokens; empty: no step) and the speculative round's
-    (sequence id -> the token it feeds; empty: no round)."""
+    """One step, as data: the slots whose sequences to release, the slots to admit (add their sequences,
+    each with its prefix: the prompt tokens it may take from a released sequence's rows), the target
+    step's feeds (sequence id -> tokens; empty: no step) and the speculative round's (sequence id ->
+    the token it feeds; empty: no round)."""
 
     released: list[Slot] = field(default_factory=list)
     admitted: list[Slot] = field(default_factory=list)
     feeds: dict[object, list[int]] = field(default_factory=dict)
     speculate: dict[object, int] = field(default_factory=dict)
+    prefixes: dict[object, list[int]] = field(default_factory=dict)  # admitted slot id -> prefix it may adopt
+
+    def admit(self, slot: Slot, reused: int = 0) -> None:
+        """``slot``'s sequence was added and holds the first ``reused`` tokens of its prompt (at most its
+        ``prefixes`` entry): the slot starts past them, and so does its chunk of this step (as many tokens
+        as the plan gave it, or fewer where the prompt ends)."""
+        if slot not in self.admitted:
+            raise ValueError(f"slot {slot.id!r} is not one this plan admits")
+        allowed = len(self.prefixes.get(slot.id, ()))
+        if isinstance(reused, bool) or not isinstance(reused, int) or not 0 <= reused <= allowed:
+            raise ValueError(f"slot {slot.id!r}: reused={reused!r} must be an integer in [0, {allowed}], "
+                             "the prefix this plan let it adopt")
+        slot.admit(reused)
+        if slot.id in self.feeds:
+            self.feeds[slot.id] = slot.prompt[reused: reused + len(self.feeds[slot.id])]
 
 
 def plan(slots: Iterable[Slot], budget: Budget) -> Plan:
@@ -132,8 +158,9 @@ def plan(slots: Iterable[Slot], budget: Budget) -> Plan:
         if room > 0 and (s.state is State.PREFILLING or s in admitted):
             feeds[s.id] = s.prompt[s.fed: s.fed + room]
             room -= len(feeds[s.id])
+    prefixes = {s.id: s.prompt[:-1] for s in admitted} if budget.prefix_cache else {}
     return Plan(released=[s for s in slots if s.state is State.DONE], admitted=admitted, feeds=feeds,
-                speculate=tokens if budget.speculative else {})
+                speculate=tokens if budget.speculative else {}, prefixes=prefixes)
 
 
 def _admit(waiting: list[Slot], live: list[Slot], budget: Budget) -> list[Slot]:

@@ -6,6 +6,10 @@ or cells (cell layout) to each sequence, fills the step buffers, runs mixed
 prefill/decode steps and returns logits for the last token of every sequence
 fed in the step: the rows a sampler reads, never one per token.
 
+A released sequence's rows stay as they are until they are needed (the prefix cache,
+``runtime/prefix_cache.py``): a new sequence whose prompt starts with the same tokens (and images)
+adopts them for the longest prefix they still hold (``add(seq_id, prefix)``) and prefills only the rest.
+
 An artifact with a DFlash draft also serves speculative steps (``speculate``): the draft proposes a
 block per sequence from the target's tapped features, the target verifies every block in one step,
 and each sequence keeps its accepted prefix plus the target's next token. The draft and the target
@@ -14,6 +18,7 @@ each keep only what they commit: rows written past a sequence's kept length are 
 """
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from pipeline.build.roles import DRAFT, EMBED, TARGET, TARGET_STEP, VISION, VISI
 from pipeline.errors import SessionError
 from pipeline.kv.layouts import SeqState
 from pipeline.runtime.model_state import ModelState
+from pipeline.runtime.prefix_cache import PrefixCache, Retained
 from pipeline.runtime.speculation import Round, Speculation
 
 __all__ = ["ModelState", "Round", "Session", "SessionError"]
@@ -31,9 +37,11 @@ __all__ = ["ModelState", "Round", "Session", "SessionError"]
 
 class Session:
     """``methods`` replaces the ExecuTorch runtime with other runners of the same methods
-    (name -> callable(list of inputs) -> list of outputs), e.g. AOTInductor on a GPU."""
+    (name -> callable(list of inputs) -> list of outputs), e.g. AOTInductor on a GPU. ``prefix_cache``:
+    released sequences' rows are kept for new sequences that start alike (``add``); False: they are
+    freed at once, and ``add`` never adopts."""
 
-    def __init__(self, artifact_dir: str | Path, methods: dict | None = None):
+    def __init__(self, artifact_dir: str | Path, methods: dict | None = None, prefix_cache: bool = True):
         artifact_dir = Path(artifact_dir)
         self.artifact_dir = artifact_dir
         self.manifest = read(artifact_dir)
@@ -50,6 +58,11 @@ class Session:
         self.vision = self.manifest.get(VISION)
         self.images: dict[object, torch.Tensor] = {}
         self._image_processor = None
+        self.prefix_cache = PrefixCache(self.models) if prefix_cache else None
+        self.tokens: dict[object, list[int]] = {}  # each live sequence's tokens, those its rows hold
+        self.image_keys: dict[object, list[str]] = {}  # each live sequence's images' keys, in add_image order
+        # an adopted prefix's images: the keys add_image must be given first, and the features it skips
+        self._adopted_images: dict[object, tuple[list[str], int]] = {}
         self._methods = {}
         if methods is None:
             from executorch.runtime import Runtime
@@ -99,8 +112,21 @@ class Session:
 
     # --- sequences ---
 
-    def add(self, seq_id) -> None:
-        """A new, empty sequence in the lowest free column (owner bit); refused without change when full."""
+    def add(self, seq_id, prefix: Sequence[int] = (), images: Sequence = ()) -> int:
+        """A new sequence; returns how many tokens of ``prefix`` it starts with (0: it is empty).
+
+        ``prefix``: the tokens its prompt starts with (a caller that needs the logits of the prompt's last
+        token passes all but that one); ``images``: the images it will ``add_image``, in order. When a
+        released sequence's rows hold a prefix of them (the same tokens, the same images for the
+        placeholders among them, and rows nothing wrote over since: every model's pool and
+        ``KVLayout.holds_prefix``), the longest such prefix is adopted, in every model (the target and a
+        draft alike): the sequence takes those rows (a column, or the cells of those positions) and its
+        length is their count; its next ``step`` feeds the tokens after them, and ``add_image`` skips the
+        features the prefix already holds. Equal prefixes: the most recently released sequence's.
+
+        Otherwise the sequence is empty, in a free column (owner bit) that holds no released sequence's
+        rows, lowest first, else in the least recently released one's (whose rows are then given up).
+        Refused without change: an unhashable or live id, no free sequence, a bad token."""
         try:
             live = seq_id in self.seqs
         except TypeError:
@@ -111,20 +137,70 @@ class Session:
             raise SessionError(
                 f"cannot add sequence {seq_id!r}: {self.max_seqs} sequences are live, the artifact's max_seqs; "
                 "release one first or build with a larger kv.max_seqs")
-        slot = min(set(range(self.max_seqs)) - {s.slot for s in self.seqs.values()})
-        for model in self.models.values():
-            model.seqs[seq_id] = SeqState(slot=slot)
+        prefix = self.check_tokens(seq_id, prefix) if prefix is not None and len(prefix) else []
+        cache = self.prefix_cache
+        keys = self._image_keys(images) if prefix and cache is not None else []
+        free = sorted(set(range(self.max_seqs)) - {s.slot for s in self.seqs.values()})
+        entry, length = None, 0
+        if cache is not None:
+            cache.prune()  # (entries whose rows are gone already: forgetting them changes nothing)
+            if prefix:
+                placeholder, per_image = ((self.vision["image_token_id"], self.vision["n_image_tokens"]) if self.vision
+                                          else (None, 1))
+                entry, length = cache.find(prefix, keys, placeholder, per_image, free)
+            states = cache.take(cache.slot_for(entry, free), entry, length)
+        else:
+            states = {name: SeqState(slot=free[0]) for name in self.models}
+        for name, model in self.models.items():
+            model.seqs[seq_id] = states[name]
+        self.tokens[seq_id] = prefix[:length]
+        self.image_keys[seq_id] = []
+        if entry is not None and self.vision:
+            held = sum(t == self.vision["image_token_id"] for t in prefix[:length])  # placeholders the prefix holds
+            covered = -(-held // self.vision["n_image_tokens"])  # images with a placeholder in it
+            self._adopted_images[seq_id] = (list(entry.images[:covered]), held)
         if self.speculation:
-            self.speculation.add(seq_id)
+            self.speculation.add(seq_id, self._draft_features(entry, length))
+        return length
+
+    def _draft_features(self, entry: Retained | None, length: int):
+        """The target features a draft adopting ``entry``'s first ``length`` positions is still to be given:
+        those of the positions from where its own rows end."""
+        if entry is None or DRAFT not in entry.states:
+            return None
+        return entry.features[: length - min(length, entry.states[DRAFT].length)]
+
+    def evict(self, entry: Retained) -> None:
+        """Give up a released sequence's rows (``prefix_cache.entries``): its cells are free at once."""
+        self.prefix_cache.evict(entry)
+
+    def _image_keys(self, images: Sequence) -> list[str]:
+        if not images:
+            return []
+        from pipeline.runtime.images import image_key
+
+        return [image_key(image) for image in images]
 
     def release(self, seq_id) -> None:
-        """Forget a sequence: its column (or its cells) serve the next one, in every model."""
-        self.sequence(seq_id)
-        for model in self.models.values():
-            model.pool.release(model.seqs.pop(seq_id))
-        if self.speculation:
-            self.speculation.release(seq_id)
+        """Forget a sequence. With the prefix cache, its rows stay as they are, in every model, as a
+        ``Retained`` entry (its tokens, its images' keys, each model's state; a draft's pending features)
+        until a new sequence adopts them or its column or cells are needed; without it, its column (or its
+        cells) serve the next sequence at once."""
+        seq = self.sequence(seq_id)
+        tokens, keys = self.tokens.pop(seq_id), self.image_keys.pop(seq_id)
+        self._adopted_images.pop(seq_id, None)
+        features = self.speculation.release(seq_id) if self.speculation else None
+        states = {name: model.seqs.pop(seq_id) for name, model in self.models.items()}
+        if self.prefix_cache is None or seq.length == 0:
+            for name, state in states.items():
+                self.models[name].pool.release(state)
+        else:
+            self.prefix_cache.retain(tokens, keys, states, features)
         self.images.pop(seq_id, None)
+
+    def committed(self, seq_id, tokens: list[int]) -> None:
+        """A step kept ``tokens`` of ``seq_id`` (its length grew by them): the tokens its rows hold."""
+        self.tokens[seq_id] += tokens
 
     # --- images (an artifact with a vision encoder) ---
 
@@ -139,15 +215,23 @@ class Session:
     def add_image(self, seq_id, image) -> torch.Tensor:
         """Encode ``image`` (a PIL image or an H x W x 3 uint8 array, at most the exported size) once
         for ``seq_id``: its ``n_image_tokens`` features replace the embeddings of the sequence's next
-        placeholder tokens (``image_token_id``) that ``step`` feeds. Returns the features."""
+        placeholder tokens (``image_token_id``) that ``step`` feeds. Returns the features. A sequence that
+        adopted a prefix holding this image's placeholders (``add``'s ``images``) must be given the same
+        image (refused otherwise); the features the prefix holds are not queued again."""
         if not self.vision:
             raise SessionError(f"{self.artifact_dir} has no vision encoder: build with vision=smolvlm_tiny (or another)")
-        from pipeline.runtime.images import encoder_input, pixels
+        from pipeline.runtime.images import encoder_input, image_key, pixels
 
         seq = self.sequence(seq_id)
         queued = self.images.get(seq_id, torch.zeros(0, self.vision["out_dim"]))
         n = self.vision["n_image_tokens"]
-        end = seq.length + len(queued) + n
+        key = image_key(image)
+        expected, skip = self._adopted_images.get(seq_id, ([], 0))
+        if expected and key != expected[0]:
+            raise SessionError(f"sequence {seq_id!r} adopted a prefix holding the placeholders of another image than "
+                               f"this one (image {len(self.image_keys[seq_id])}); pass add() the images the sequence adds")
+        held = min(skip, n)  # this image's features the adopted prefix holds already
+        end = seq.length + len(queued) + n - held
         if self.max_length is not None and end > self.max_length:
             raise SessionError(f"sequence {seq_id!r}: the image's {n} tokens would take it to {end} tokens, past the "
                                f"context of {self.max_length}; release it or build with a larger kv.capacity")
@@ -156,7 +240,11 @@ class Session:
             features = self.method(VISION_ENCODER).execute([encoder_input(self.vision, px).to(getattr(torch, self.vision["dtype"]))])[0][0]
         except Exception as err:
             raise SessionError(f"the program failed encoding the image of sequence {seq_id!r} ({err})") from err
-        self.images[seq_id] = torch.cat([queued, features.float()])
+        if len(queued) or held < n:  # (features the prefix holds entirely are not queued at all)
+            self.images[seq_id] = torch.cat([queued, features[held:].float()])
+        self.image_keys[seq_id].append(key)
+        if expected:
+            self._adopted_images[seq_id] = (expected[1:], skip - held)
         return features.clone()
 
     def _splice(self, order, embeddings: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -212,6 +300,8 @@ class Session:
         last_rows = list(_cumulative_last([len(toks) for *_, toks in order]))
         logits, features = self.run_target(order, last_rows, cells)
         self.models[TARGET].commit([(seq, len(toks)) for _, seq, toks in order], cells)
+        for seq_id, _, toks in order:
+            self.committed(seq_id, toks)
         if self.speculation:
             self.speculation.keep_features([(seq_id, len(toks), len(toks)) for seq_id, _, toks in order], features)
         return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
@@ -227,6 +317,7 @@ class Session:
                              dtype=torch.int64)
         try:
             embeddings, images_left = self._splice(order, self.method(EMBED).execute([token_t])[0])
+            self.models[TARGET].writing([(seq, len(toks)) for _, seq, toks in order], cells)
             out = self.method(TARGET_STEP).execute([embeddings, pos_t, torch.tensor(logit_rows, dtype=torch.int64),
                                                     *step_buffers])
         except Exception as err:
@@ -298,7 +389,8 @@ class Session:
                                f"max_seqs={self.max_seqs} columns are free")
         eos = self.tokenizer.eos_token_id if stop_at_eos else None
         slots = [schedule.Slot(seq_id, self.tokenizer(text).input_ids) for seq_id, text in prompts.items()]
-        budget = schedule.Budget(self.max_step_tokens, free, speculative=speculative)  # all fit: all join at once
+        budget = schedule.Budget(self.max_step_tokens, free, speculative=speculative,  # all fit: all join at once
+                                 prefix_cache=self.prefix_cache is not None)
         by_id = {slot.id: slot for slot in slots}
         out: dict[object, list[int]] = {seq_id: [] for seq_id in prompts}
 
@@ -318,8 +410,7 @@ class Session:
                     self.release(slot.id)
                     slots.remove(slot)
                 for slot in plan.admitted:
-                    self.add(slot.id)
-                    slot.admit()
+                    plan.admit(slot, self.add(slot.id, plan.prefixes.get(slot.id, ())))
                 if plan.feeds:
                     logits = self.step(plan.feeds)
                     for seq_id, toks in plan.feeds.items():

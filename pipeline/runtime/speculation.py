@@ -37,12 +37,16 @@ class Speculation:
     def block_size(self) -> int:
         return self.draft.section["block_size"]
 
-    def add(self, seq_id) -> None:
-        self.pending[seq_id] = torch.zeros(0, self.draft.section["feature_dim"])
+    def add(self, seq_id, pending: torch.Tensor | None = None) -> None:
+        """A new sequence; ``pending``: the target features it adopted and the draft has not seen (a prefix
+        adopted from a released sequence whose draft context lagged its target)."""
+        self.pending[seq_id] = torch.zeros(0, self.draft.section["feature_dim"]) if pending is None else pending
         self.acceptance[seq_id] = []
 
-    def release(self, seq_id) -> None:
-        del self.pending[seq_id], self.acceptance[seq_id]
+    def release(self, seq_id) -> torch.Tensor:
+        """Forget a sequence; its pending target features (the prefix cache keeps them with its rows)."""
+        del self.acceptance[seq_id]
+        return self.pending.pop(seq_id)
 
     def keep_features(self, kept: list[tuple[object, int, int]], features: torch.Tensor | None) -> None:
         """Append to each sequence's pending features the first ``keep`` of its ``n`` rows of the step
@@ -106,6 +110,8 @@ class Speculation:
             kept_cells += cells[row: row + accepted + 1] if cells else []
             row += len(block)
         target.commit([(seq, keep) for _, seq, _, keep in kept], kept_cells)
+        for (seq_id, _, block), (*_, keep) in zip(blocks, kept, strict=True):
+            session.committed(seq_id, block[:keep])
         self.keep_features([(seq_id, n, keep) for seq_id, _, n, keep in kept], features)
         for seq_id, result in out.items():
             self.acceptance[seq_id].append(len(result.tokens))
@@ -161,6 +167,7 @@ class Speculation:
                 torch.tensor(is_context, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                 torch.tensor(logit_rows or [0], dtype=torch.int64), *step_buffers]
         try:
+            draft.writing([(seq, n_ctx + len(blk)) for _, seq, n_ctx, blk in order], cells)
             logits = session.method(DRAFT_STEP).execute(args)[0]
         except Exception as err:
             raise SessionError(f"the program failed on the draft step of sequences "

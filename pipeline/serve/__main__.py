@@ -1,5 +1,5 @@
 """``python -m pipeline.serve ARTIFACT_DIR [--host 127.0.0.1 --port 8000 --api-key KEY --max-queue N
---request-timeout S --model-name NAME --prefill-chunk N --engine-restarts N]``: serve a built artifact over the OpenAI API.
+--request-timeout S --model-name NAME --prefill-chunk N --engine-restarts N --no-prefix-cache]``: serve a built artifact over the OpenAI API.
 
 Exit status: 0 stopped (SIGINT / SIGTERM); 2 refused before serving (bad flags, not an artifact, no
 tokenizer); 3 could not listen (uvicorn's); 4 the engine process died and its ``--engine-restarts``
@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 EXIT_REFUSED, EXIT_NO_LISTEN, EXIT_ENGINE_LOST = 2, 3, 4
+# prompt tokens a step takes while others decode: with SmolLM2 at 8 clients of 770-token prompts, 32 kept
+# the streams' inter-token p95 within 2x llama-server's (the whole width left: 3.4x) at 1.43x its tokens/s
+# and 0.6x its time to first token (docs/benchmarks.md, "serve")
+DEFAULT_PREFILL_CHUNK = 32
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -26,19 +30,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model-name", default=None,
                         help="the model id clients name (default: the checkpoint's name, e.g. SmolLM2-135M-Instruct from "
                              "its GGUF file, else the build's experiment_name)")
-    parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="prompt tokens a step takes while other sequences decode (default: all the step width "
-                             "they leave); smaller keeps running streams faster and a new prompt's first token later")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="prompt tokens a step takes while other sequences decode, within the step width they "
+                             f"leave (default {DEFAULT_PREFILL_CHUNK}; 0: all of it); smaller keeps running streams faster "
+                             "and a new prompt's first token later (docs/benchmarks.md, 'serve')")
     parser.add_argument("--engine-restarts", type=int, default=3,
                         help="times a dead engine process is replaced (the artifact loaded again) in the server's life; "
                              f"then the server exits with {EXIT_ENGINE_LOST} for its supervisor to restart it (default 3)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="free a finished request's KV rows at once instead of keeping them for prompts that start "
+                             "with the same tokens (default: kept, and such prompts prefill only what is new)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--verbose", action="store_true", help="show the libraries' known noise while loading (pipeline/quiet.py)")
     args = parser.parse_args(argv)
     if args.max_queue < 0:
         parser.error(f"--max-queue={args.max_queue} must be >= 0")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        parser.error(f"--prefill-chunk={args.prefill_chunk} must be >= 1")
+    if args.prefill_chunk < 0:
+        parser.error(f"--prefill-chunk={args.prefill_chunk} must be >= 1, or 0 for the whole width the decodes leave")
+    args.prefill_chunk = args.prefill_chunk or None
     if args.engine_restarts < 0:
         parser.error(f"--engine-restarts={args.engine_restarts} must be >= 0")
     if args.request_timeout is not None and not args.request_timeout > 0:
@@ -61,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.serve.server import build
 
             app, engine = build(artifact, args.model_name, args.api_key, args.max_queue, args.request_timeout,
-                                args.prefill_chunk, args.engine_restarts)
+                                args.prefill_chunk, args.engine_restarts, args.prefix_cache)
     except SessionError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED

@@ -9,8 +9,9 @@ from pipeline.serve.request import Event, Request
 log = logging.getLogger("pipeline.serve")
 
 
-def main(artifact: str, conn, prefill_chunk: int | None) -> None:
-    """The engine process: load the session, say ready, run the engine thread, serve the pipe."""
+def main(artifact: str, conn, prefill_chunk: int | None, prefix_cache: bool = True) -> None:
+    """The engine process: load the session (``prefix_cache``: released sequences' rows kept for prompts
+    that start alike), say ready, run the engine thread, serve the pipe."""
     from pipeline.quiet import filtered_stderr
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s (engine): %(message)s")
@@ -22,7 +23,7 @@ def main(artifact: str, conn, prefill_chunk: int | None) -> None:
             from pipeline.serve.engine import Engine
             from pipeline.serve.metrics import Metrics
 
-            session = Session(artifact)
+            session = Session(artifact, prefix_cache=prefix_cache)
             for method in (EMBED, TARGET_STEP):  # loaded before the first request, not during it
                 session.method(method)
             session.tokenizer  # noqa: B018  (loaded now, not at the first token)

@@ -8,7 +8,10 @@ measurement run too). Each iteration of its loop:
    ``--request-timeout`` passed, waiting or running;
 2. asks the schedule for the step's plan, and releases the sequences of the requests that ended;
 3. admits waiting requests, oldest first, while the artifact has a free sequence (and, in a cell
-   layout, the pool has cells for the request's prompt, its ``max_tokens`` and a draft block);
+   layout, the pool has cells for the request's prompt, its ``max_tokens`` and a draft block); with
+   the session's prefix cache, a request's sequence starts from a released sequence's rows where its
+   prompt begins alike (the plan's prefix; the session decides what its rows still hold), and only the
+   rest of its prompt is prefilled (``usage.prompt_tokens_details.cached_tokens``);
 4. runs one target step that feeds every live sequence: one token of each decoding sequence and,
    in what is left of the step's ``max_step_tokens`` (at most ``--prefill-chunk`` while others
    decode), the next chunk of each prefilling prompt, oldest first (so a long prompt arriving never
@@ -59,7 +62,8 @@ class Engine:
         # prefill_chunk: prompt tokens a step takes while other sequences decode (None: all the width they
         # leave); alone, a prompt always takes the whole width. Smaller: the running streams' steps are
         # shorter, the new prompt's first token later (bench/serve_prefill.py measures both)
-        self.budget = Budget(session.max_step_tokens, session.max_seqs, prefill_chunk, bool(self.block), cells)
+        self.budget = Budget(session.max_step_tokens, session.max_seqs, prefill_chunk, bool(self.block), cells,
+                             prefix_cache=session.prefix_cache is not None)
         # every request the engine holds (waiting, running, or done until its sequence is released), in
         # arrival order, and its slot in the schedule
         self.requests: dict[int, Request] = {}
@@ -157,7 +161,7 @@ class Engine:
         with self._lock:
             plan = schedule.plan(list(self.slots.values()), self.budget)
         self._release(plan.released)
-        self._admit(plan.admitted)
+        self._admit(plan)
         feeds = {rid: toks for rid, toks in plan.feeds.items() if self._live(rid)}
         if feeds:  # (without the admitted requests that could not join: they ended)
             self._step(feeds)
@@ -187,25 +191,27 @@ class Engine:
             with self._lock:
                 del self.slots[slot.id], self.requests[slot.id]
 
-    def _admit(self, slots: list[Slot]) -> None:
-        """Give each admitted request its sequence, its images and its token policy."""
-        for slot in slots:
+    def _admit(self, plan: schedule.Plan) -> None:
+        """Give each admitted request its sequence (from a released one's rows where the plan lets it), its
+        images and its token policy."""
+        for slot in plan.admitted:
             request = self.requests[slot.id]
             request.chooser = policy(request.params)
             self.metrics.prompt_tokens.inc(len(request.prompt))
-            if (refused := self._join(request, slot)) is not None:
+            if (refused := self._join(request, slot, plan)) is not None:
                 self._finish(request, "error", error=refused)
         self.metrics.queue_depth.set(self._count(State.WAITING))
 
-    def _join(self, request: Request, slot: Slot) -> tuple[int, str, str] | None:
+    def _join(self, request: Request, slot: Slot, plan: schedule.Plan) -> tuple[int, str, str] | None:
         """Add the request's sequence and encode its images; None, or the (status, message, code) of
         what the session refused: a sequence it could not add is about the request, an image it could
         not take about the image, unless the image would pass the context or the program failed."""
         try:
-            self.session.add(request.id)
+            request.cached = self.session.add(request.id, plan.prefixes.get(slot.id, ()), request.images)
         except SessionError as err:
             return 400, str(err), "invalid_request"  # (it holds no sequence: still waiting, it is forgotten)
-        slot.admit()
+        plan.admit(slot, request.cached)
+        self.metrics.count_prefill(len(request.prompt), request.cached, self.budget.prefix_cache)
         for image in request.images:
             try:
                 self.session.add_image(request.id, image)

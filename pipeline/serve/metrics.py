@@ -31,6 +31,28 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.spec_proposed = Counter("pipeline_speculative_proposed_tokens", "Draft proposals the target verified", registry=r)
         self.spec_accepted = Counter("pipeline_speculative_accepted_tokens", "Draft proposals the target kept", registry=r)
+        self.prefill_tokens = Counter("pipeline_prefill_tokens", "Prompt tokens prefilled (admitted less those a "
+                                      "released sequence's rows held)", registry=r)
+        self.prefix_queried_tokens = Counter("pipeline_prefix_cache_queried_tokens", "Prompt tokens of the requests "
+                                             "admitted with the prefix cache on", registry=r)
+        self.prefix_reused_tokens = Counter("pipeline_prefix_cache_reused_tokens", "Prompt tokens whose rows a "
+                                            "released sequence held (not prefilled)", registry=r)
+        self.prefix_hits = Counter("pipeline_prefix_cache_hits", "Requests that reused at least one prompt token",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("pipeline_prefix_cache_hit_rate", "Reused prompt tokens / queried prompt tokens, "
+                                     "since the engine started (0 before any)", registry=r)
+        self._queried = self._reused = 0  # the rate's terms (a Counter's value is not public)
+
+    def count_prefill(self, prompt: int, reused: int, prefix_cache: bool) -> None:
+        """A request of ``prompt`` tokens joined, ``reused`` of them held by a released sequence's rows."""
+        self.prefill_tokens.inc(prompt - reused)
+        if prefix_cache:
+            self.prefix_queried_tokens.inc(prompt)
+            self.prefix_reused_tokens.inc(reused)
+            if reused:
+                self.prefix_hits.inc()
+            self._queried, self._reused = self._queried + prompt, self._reused + reused
+            self.prefix_hit_rate.set(self._reused / self._queried)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

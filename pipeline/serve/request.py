@@ -60,6 +60,7 @@ class Request:
     accepted: int = 0  # ... and kept
     rounds: int = 0
     chooser: object = None
+    cached: int = 0  # prompt tokens a released sequence's rows held (the prefix cache): not prefilled
 
     def cancel(self) -> None:
         """The client went away: the engine releases the sequence at its next iteration (thread-safe: a flag)."""
@@ -75,7 +76,8 @@ class Request:
 
     def usage(self) -> dict:
         usage = {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.generated),
-                 "total_tokens": len(self.prompt) + len(self.generated)}
+                 "total_tokens": len(self.prompt) + len(self.generated),
+                 "prompt_tokens_details": {"cached_tokens": self.cached}}
         if self.rounds:
             usage["speculative"] = {"rounds": self.rounds, "proposed": self.proposed, "accepted": self.accepted,
                                     "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,

@@ -38,10 +38,12 @@ def model_name(artifact: Path) -> str:
 
 
 def build(artifact: Path, model: str | None = None, api_key: str | None = None, max_queue: int = 64,
-          request_timeout: float | None = None, prefill_chunk: int | None = None, engine_restarts: int = 0):
+          request_timeout: float | None = None, prefill_chunk: int | None = None, engine_restarts: int = 0,
+          prefix_cache: bool = True):
     """(app, engine) over ``artifact``; the engine process is loaded, its reader not started. The
     artifact must carry a tokenizer (checked before the engine process starts). The model's id is
-    ``model``, or ``model_name(artifact)``."""
+    ``model``, or ``model_name(artifact)``. ``prefix_cache``: the engine's session keeps released
+    sequences' rows for prompts that start alike (``--no-prefix-cache``: False)."""
     from transformers import AutoTokenizer
 
     from pipeline.build.manifest import read, sections
@@ -55,7 +57,7 @@ def build(artifact: Path, model: str | None = None, api_key: str | None = None, 
         raise SessionError(f"{artifact} has no tokenizer, and the server takes text: build from a checkpoint "
                            "(model.checkpoint=..., model=smollm2_135m) or with model.tokenizer=... (model=tiny_chat)")
     tokenizer = AutoTokenizer.from_pretrained(str(artifact / manifest["tokenizer"]))
-    engine = EngineProcess(artifact, max_queue, prefill_chunk, restarts=engine_restarts)
+    engine = EngineProcess(artifact, max_queue, prefill_chunk, restarts=engine_restarts, prefix_cache=prefix_cache)
     name = model or model_name(artifact)
     vocab_size = sections(manifest)[TARGET]["vocab_size"]
     app = create_app(engine, Prompts(tokenizer, manifest.get(VISION), vocab_size), Settings(name, api_key, request_timeout))

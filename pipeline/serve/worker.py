@@ -56,8 +56,9 @@ class EngineProcess:
     ``restarts`` times (module docstring)."""
 
     def __init__(self, artifact: str, max_queue: int, prefill_chunk: int | None = None, startup_timeout: float = 600,
-                 restarts: int = 0, restart_delay: float = RESTART_DELAY_S):
+                 restarts: int = 0, restart_delay: float = RESTART_DELAY_S, prefix_cache: bool = True):
         self.artifact, self.prefill_chunk, self.startup_timeout = str(artifact), prefill_chunk, startup_timeout
+        self.prefix_cache = prefix_cache
         self.max_queue = max_queue
         self.restarts, self.restart_delay = restarts, restart_delay
         self.restarted = 0  # children started after the first
@@ -78,7 +79,7 @@ class EngineProcess:
         """Start a child over the artifact and wait until it has loaded it; its ``ready`` info."""
         context = multiprocessing.get_context("spawn")
         conn, child_end = context.Pipe()
-        process = context.Process(target=engine_main, args=(self.artifact, child_end, self.prefill_chunk), name="engine",
+        process = context.Process(target=engine_main, args=(self.artifact, child_end, self.prefill_chunk, self.prefix_cache), name="engine",
                                   daemon=True)
         process.start()
         child_end.close()

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from conftest import compose_config
-from pipeline.kv.layouts import KVConfigError, build_layout, sequence_segments
+from pipeline.kv.layouts import KVConfigError, SeqState, build_layout, prefix_rows_held, sequence_segments
 from pipeline.models.args import model_args
 
 
@@ -39,8 +39,8 @@ def test_layouts_from_config():
     assert [b.name for b in batched.step_buffers()] == ["seq_cols", *gathered, "one_flat", "block_flat", "one_ring",
                                                         "block_ring"]
     # each named size in one buffer alone (the program read back from the stage cache sizes it the same)
-    assert [b.shape for b in batched.step_buffers()][3:5] == [("one_tokens_flat", 2, "one_width_flat"), (2, "block_keys_flat")]
-    assert (batched.dim_bound("one_width_ring"), batched.dim_bound("block_keys_flat")) == (32, 128)
+    assert [b.shape for b in batched.step_buffers()][3:5] == [("one_tokens_flat", 3, "one_keys_flat"), (2, "block_keys_flat")]
+    assert (batched.dim_bound("one_keys_ring"), batched.dim_bound("block_keys_flat")) == (31, 128)
     assert batched.dim_bound("one_tokens_ring") == batched.dim_bound("block_tokens") == batched.step_width
     planned = dataclasses.replace(batched, planned=True)  # the GPU's: planned from seq_info
     assert [b.name for b in planned.step_buffers()] == ["seq_cols", "seq_info_flat", "seq_info_ring"]
@@ -48,9 +48,9 @@ def test_layouts_from_config():
     assert cell.layout == "cell" and cell.store_shape(cell.layers[0]) == (512, 2, 16)
     assert [b.name for b in cell.step_buffers()] == [
         "cell_ids", *gathered, "one_cells", "block_cells"]
-    assert cell.dim_bound("one_width_cells") == 513
-    with pytest.raises(ValueError, match="one_width_flat"):
-        cell.dim_bound("one_width_flat")
+    assert cell.dim_bound("one_keys_cells") == 512
+    with pytest.raises(ValueError, match="one_keys_flat"):
+        cell.dim_bound("one_keys_flat")
     planned_cell = dataclasses.replace(cell, planned=True)
     assert [b.name for b in planned_cell.step_buffers()] == ["cell_ids", "q_seq_bits", "cell_pos", "cell_owners"]
     assert [b.shape for b in planned_cell.step_buffers()][2:] == [("cells",), ("cells",)]
@@ -67,6 +67,39 @@ def test_ring_rows_hold_a_window_and_a_step():
     bounded = layout("kv.capacity=20")  # flat layers stop every sequence at 20 tokens: the ring never wraps
     assert [(x.kind, x.rows) for x in bounded.layers] == [("ring", 20), ("flat", 20)] * 2 and bounded.max_seq_len == 20
     assert layout("kv.max_step_tokens=4").layers[0].rows == 16 + 4 - 1
+
+
+def _column_holds(length: int, written: int, rows: int, window: int) -> bool:
+    """By simulation: write positions 0..written-1 in order into a column of ``rows`` rows, then check the
+    rows a sequence resuming at ``length`` reads (its first query's window; a flat layer: all of [0, length))."""
+    column = [None] * rows
+    for q in range(written):
+        column[q % rows] = q
+    first = 0 if window == 0 else max(0, length - window + 1)
+    return all(column[q % rows] == q for q in range(first, length))
+
+
+def test_a_ring_holds_a_prefix_only_where_no_later_position_overwrote_its_window():
+    """The prefix cache's ring rule (``prefix_rows_held``) against a simulated column, and its edge on the
+    tiny model's ring (window 16, 16-token steps: 31 rows): 60 positions written, position q is held iff
+    q >= 60 - 31 = 29, so a resumed query at 44 (reading 29..43) may adopt, one at 43 (reading 28,
+    which position 59 overwrote) may not."""
+    rows, window = 16 + 16 - 1, 16
+    assert prefix_rows_held(44, 60, rows, window) and not prefix_rows_held(43, 60, rows, window)
+    assert prefix_rows_held(60, 60, rows, window)
+    # rows written past the kept tokens (a rejected block, a failed step) count: 62 written, from 46 on
+    assert prefix_rows_held(46, 62, rows, window) and not prefix_rows_held(45, 62, rows, window)
+    for written in range(0, 3 * rows):
+        for length in range(0, written + 1):
+            for r, w in ((rows, window), (128, 0), (20, 5)):  # the tiny ring, a flat layer, another ring
+                assert prefix_rows_held(length, written, r, w) == _column_holds(length, written, r, w), (length, written, r, w)
+    tiny = layout("kv=sequence", "kv.max_seqs=4")  # ring and flat layers: the ring's rule decides
+    assert tiny.holds_prefix(44, SeqState(slot=0, length=60, written=60))
+    assert not tiny.holds_prefix(43, SeqState(slot=0, length=60, written=60))
+    assert not tiny.holds_prefix(61, SeqState(slot=0, length=60, written=60)), "past what the rows hold"
+    assert tiny.holds_prefix(30, SeqState(slot=0, length=31, written=31)), "a ring that never wrapped holds all"
+    cell = layout("kv=cell", "kv.max_seqs=3")
+    assert cell.holds_prefix(43, SeqState(slot=0, length=60, written=60)), "a cell per position: nothing overwritten"
 
 
 @pytest.mark.parametrize("overrides,needle", [

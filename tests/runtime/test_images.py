@@ -91,6 +91,34 @@ def test_a_prompt_with_an_image_equals_smolvlm(flat):
     assert float((text_only - want[0]).abs().max() / (want.max() - want.min())) > 1e-3
 
 
+def test_an_image_is_part_of_the_prefix_key(flat):
+    """The same tokens with another image adopt only the text before the image's placeholders; with the
+    same image, the whole prefix, and add_image queues none of the features the prefix holds; each step
+    equals a session without the prefix cache. Adopting the image's placeholders and then adding
+    another image is refused."""
+    rng = np.random.default_rng(7)
+    image, other = (rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(2))
+    prompt = [5, 17, 2, 2, 2, 2, 300, 42, 9, 11]  # 2: the placeholder, once per image token (4)
+
+    def run(s, seq_id, picture):
+        reused = s.add(seq_id, prompt[:-1], images=[picture])
+        s.add_image(seq_id, picture)
+        logits = s.step({seq_id: prompt[reused:]})[seq_id]
+        s.release(seq_id)
+        return reused, logits
+
+    s, fresh = Session(flat), Session(flat, prefix_cache=False)
+    assert run(s, "a", image)[0] == 0
+    for seq_id, picture, held in (("b", other, 2), ("c", other, 9)):  # b: another image than a's; c: b's image
+        reused, got = run(s, seq_id, picture)
+        _, want = run(fresh, seq_id, picture)
+        assert reused == held, seq_id
+        assert float((got - want).abs().max() / (want.max() - want.min())) < 1e-4, seq_id
+    assert s.add("d", prompt[:-1], images=[other]) == 9
+    with pytest.raises(SessionError, match="adopted a prefix holding the placeholders of another image"):
+        s.add_image("d", image)
+
+
 def test_validation_ran_image_sequences(flat):
     report = json.loads((flat / "validation.json").read_text())
     assert report["passed"] and report["images"]["sequences"] == ["seq1"]

@@ -156,3 +156,34 @@ def test_bad_budgets_slots_and_states_are_refused_by_name():
     with pytest.raises(ValueError, match="is decoding, not waiting"):
         decoding("d").admit()
     assert plan([], Budget(4, 4)) == Plan()
+
+
+def test_a_slot_starts_past_the_prefix_the_session_reused_and_always_feeds_its_last_prompt_token():
+    """With the prefix cache, an admitted slot may adopt all of its prompt but the last token; told how
+    many the session reused, it starts there, and its chunk of this step moves past them."""
+    a, b = slot("a", 40), slot("b", 5)
+    step = plan([a, b], Budget(16, 4, prefix_cache=True))
+    assert step.prefixes == {"a": a.prompt[:-1], "b": b.prompt[:-1]}
+    assert step.feeds == {"a": a.prompt[:16]}  # b: no width left this step
+    step.admit(a, 30)
+    step.admit(b, 4)
+    assert step.feeds == {"a": a.prompt[30:40]} and (a.fed, b.fed) == (30, 4)
+    assert a.took(10) and a.state is State.DECODING  # the prompt's end: its logits choose a's first token
+    a.next_token = 7
+    assert plan([a, b], Budget(16, 4, prefix_cache=True)).feeds == {"a": [7], "b": b.prompt[4:]}
+
+
+def test_a_reused_count_beyond_the_plans_prefix_is_refused():
+    a, b = slot("a", 6), slot("b", 6)
+    step = plan([a], Budget(16, 4, prefix_cache=True))
+    with pytest.raises(ValueError, match=r"reused=6 must be an integer in \[0, 5\]"):
+        step.admit(a, 6)
+    with pytest.raises(ValueError, match="not one this plan admits"):
+        step.admit(b, 0)
+    off = plan([b], Budget(16, 4))  # prefix cache off: nothing to adopt
+    assert off.prefixes == {}
+    with pytest.raises(ValueError, match=r"reused=1 must be an integer in \[0, 0\]"):
+        off.admit(b, 1)
+    assert a.state is State.WAITING and b.state is State.WAITING  # refused: nothing changed
+    with pytest.raises(ValueError, match=r"reused=6 must be an integer in \[0, 5\]"):
+        a.admit(6)

@@ -232,7 +232,7 @@ def test_attention_reads_only_the_rows_each_sequence_holds(batched):
         rows = s.kv_layout.rows_of(kind)
         for row, (seq, _) in enumerate(order):
             held = min(seq.length + 1, rows)
-            slots, kpos = values[f"one_{kind}"][row, :, 1:]
+            slots, kpos, _ = values[f"one_{kind}"][row]
             assert kpos[:held].tolist() == list(range(seq.length + 1 - held, seq.length + 1))
             assert bool((kpos[held:] == -1).all()), "past a sequence's rows its list is padding"
             assert bool((slots[:held] % columns == seq.slot).all()), "a query reads its own column only"
@@ -241,7 +241,7 @@ def test_attention_reads_only_the_rows_each_sequence_holds(batched):
     want = torch.stack([oracle.logits(k, [t]) for k, t in feeds.items()])
     assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
     hidden = {**values, "one_flat": values["one_flat"].clone()}
-    hidden["one_flat"][1, 1, 1 + lengths["b"]] = -1  # b's newest key (its own token) in the flat layers
+    hidden["one_flat"][1, 1, lengths["b"]] = -1  # b's newest key (its own token) in the flat layers
     short = _gathered_logits(s, hidden, feeds)
     assert (short[1] - full[1]).abs().max() > 1e-3, "hiding a listed key must change b's logits"
     assert torch.equal(short[0], full[0]), "a's list is untouched"
@@ -258,7 +258,7 @@ def test_prefill_chunk_shares_one_key_list(batched):
         step_and_check(s, oracle, {seq_id: prompt})
     order = [(s.seqs["a"], 1), (s.seqs["b"], 4)]
     values = s.kv_layout.step_buffer_values(order, [], s.pool)
-    assert values["block_q"].tolist() == [1, 2, 3, 4] and values["one_flat"][:, :, 0].tolist() == [[0, 0]]
+    assert values["block_q"].tolist() == [1, 2, 3, 4] and values["one_flat"][:, 2, 0].tolist() == [0]
     assert values["block_flat"][1].tolist() == list(range(5)), "b's rows once, after its 4 new tokens"
     assert values["out_rows"].tolist() == [0, 1, 2, 3, 4]
     step_and_check(s, oracle, {"a": [11], "b": [12, 13, 14, 15]})
@@ -267,8 +267,9 @@ def test_prefill_chunk_shares_one_key_list(batched):
 def test_cell_attention_reads_each_sequences_own_cells(build_dir):
     """The pool hands out its lowest free cells (released ones too); a query reads the cells of its own
     sequence, listed in position order wherever they lie in the pool. Hiding one of b's cells changes
-    b's logits only."""
-    s = Session(build_dir(*CELL))
+    b's logits only. (Without the prefix cache: it keeps a released sequence's cells until the free ones
+    run out.)"""
+    s = Session(build_dir(*CELL), prefix_cache=False)
     oracle = Oracle(*CELL)
     for seq_id, n in (("a", 6), ("b", 4)):
         s.add(seq_id)
@@ -283,14 +284,14 @@ def test_cell_attention_reads_each_sequences_own_cells(build_dir):
     chosen = s.pool.choose(2)
     assert chosen == [3, 4]
     values = s.kv_layout.step_buffer_values(order, chosen, s.pool)
-    assert values["one_cells"][:, 0, 1:].tolist() == [[6, 7, 8, 9, 3], [0, 1, 2, 4, 0]]
-    assert values["one_cells"][:, 1, 1:].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, -1]]
+    assert values["one_cells"][:, 0].tolist() == [[6, 7, 8, 9, 3], [0, 1, 2, 4, 0]]
+    assert values["one_cells"][:, 1].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, -1]]
     feeds = {"b": 17, "c": 23}
     full = _gathered_logits(s, values, feeds)
     want = torch.stack([oracle.logits("b", [17]), oracle.logits("c", [23])])
     assert float((full - want).abs().max() / (want.max() - want.min())) < 1e-4
     hidden = {**values, "one_cells": values["one_cells"].clone()}
-    hidden["one_cells"][0, 1, 1 + 3] = -1
+    hidden["one_cells"][0, 1, 3] = -1
     short = _gathered_logits(s, hidden, feeds)
     assert (short[0] - full[0]).abs().max() > 1e-3, "hiding one of b's cells must change its logits"
     assert torch.equal(short[1], full[1]), "c's cells are untouched"

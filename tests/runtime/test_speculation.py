@@ -117,10 +117,51 @@ def test_a_wrong_proposal_cuts_the_round(build, build_dir, greedy):
     s, out = _speculate(build_dir(*build), _oracle(greedy, corrupt_at=3))
     assert out == greedy
     assert all(n == 4 for n in s.acceptance["c"][:-1])
-    if build is DRAFT_CELL:  # the rejected rows' cells were never taken; released sequences free the rest
+    if build is DRAFT_CELL:  # the rejected rows' cells were never taken; released sequences, evicted, free the rest
         for seq_id in PROMPTS:
             s.release(seq_id)
+        for entry in list(s.prefix_cache.entries):
+            s.evict(entry)
         assert len(s.pool.free_cells) == 512 and len(s.models[DRAFT].pool.free_cells) == 512
+
+
+def _speculative(s: Session, seq_id, prompt: list[int], new: int) -> tuple[int, dict, list[int]]:
+    """Add ``seq_id`` adopting what the session holds of all but the prompt's last token, prefill the
+    rest, speculate until more than ``new`` tokens: (tokens reused, each model's length after the add,
+    every token it gave; all but the last were fed)."""
+    reused = s.add(seq_id, prompt[:-1])
+    lengths = {name: model.seqs[seq_id].length for name, model in s.models.items()}
+    lengths["pending"] = len(s.speculation.pending[seq_id])
+    rest = prompt[reused:]
+    for start in range(0, len(rest), s.max_step_tokens):
+        logits = s.step({seq_id: rest[start: start + s.max_step_tokens]})[seq_id]
+    out = [int(logits.argmax())]
+    while len(out) <= new:
+        out += s.speculate({seq_id: out[-1]})[seq_id].tokens
+    return reused, lengths, out
+
+
+@pytest.mark.parametrize("build", [DRAFT_BATCHED, DRAFT_CELL], ids=["batched-sequence", "cell"])
+def test_an_adopted_prefix_takes_the_drafts_rows_too(build, build_dir, greedy):
+    """The next turn of a conversation (everything the last one held, then new tokens) adopts its rows in
+    both models: the draft's own rows as far as its context had reached, and the target features it had
+    not seen yet. The tokens are those of a session that prefilled everything itself, and so is the
+    draft's acceptance, round by round (its proposals are the same)."""
+    s = Session(build_dir(*build))
+    _, _, first = _speculative(s, "first", PROMPTS["c"], NEW_TOKENS)
+    assert first[: NEW_TOKENS + 1] == greedy["c"]
+    held = PROMPTS["c"] + first[:-1]  # every token fed: the ring rows hold its end (prefix_rows_held)
+    draft_length = s.models[DRAFT].seqs["first"].length
+    s.release("first")
+    prompt = held + [7, 300, 42]
+    reused, lengths, out = _speculative(s, "second", prompt, 12)
+    assert reused == len(held) and lengths[TARGET] == reused
+    assert lengths[DRAFT] == min(reused, draft_length) > 0, "the draft's rows are adopted"
+    assert lengths[DRAFT] + lengths["pending"] == reused, "the draft is given the features it lacks"
+    fresh = Session(build_dir(*build), prefix_cache=False)
+    none, _, want = _speculative(fresh, "second", prompt, 12)
+    assert none == 0 and out == want
+    assert s.acceptance["second"] == fresh.acceptance["second"]
 
 
 def test_speculation_errors(batched):

@@ -99,6 +99,57 @@ def test_streamed_text_equals_the_whole_text(server, client, chat):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_repeated_prompt_reports_its_cached_tokens_whole_and_streamed(server, client, chat):
+    """A prompt sent again adopts the rows the first request left: all its tokens but the last are
+    ``usage.prompt_tokens_details.cached_tokens``, in a whole response and in a stream's usage chunk, and
+    the text is the same; /metrics counts them."""
+    reused_before = server.metric("pipeline_prefix_cache_reused_tokens_total")
+    content = f"Tell me about prefix number {int(chat)}: " + "the quick brown fox jumps over the lazy dog " * 6
+    kwargs = dict(model="tiny", max_tokens=6, temperature=0)
+    if chat:
+        messages = [{"role": "user", "content": content}]
+        first, second = (client.chat.completions.create(messages=messages, **kwargs) for _ in range(2))
+        chunks = list(client.chat.completions.create(messages=messages, stream=True,
+                                                     stream_options={"include_usage": True}, **kwargs))
+        text = [first.choices[0].message.content, second.choices[0].message.content,
+                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)]
+    else:
+        first, second = (client.completions.create(prompt=content, **kwargs) for _ in range(2))
+        chunks = list(client.completions.create(prompt=content, stream=True, stream_options={"include_usage": True},
+                                                **kwargs))
+        text = [first.choices[0].text, second.choices[0].text, "".join(c.choices[0].text for c in chunks if c.choices)]
+    assert text[0] == text[1] == text[2] and text[0]
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < n - 1  # nothing held all of it yet
+    assert second.usage.prompt_tokens_details.cached_tokens == n - 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == n - 1
+    assert server.metric("pipeline_prefix_cache_reused_tokens_total") >= reused_before + 2 * (n - 1)
+
+
+def test_a_chat_through_a_server_without_the_prefix_cache_has_the_same_text(server, client, chat_artifact, tmp_path):
+    """Three greedy turns of a chat, each with the whole conversation, against a server started with
+    --no-prefix-cache: the same replies; only the server with the cache reports cached tokens."""
+    from openai import OpenAI
+
+    def chat(c) -> tuple[list[str], list[int]]:
+        messages, replies, cached = [], [], []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Turn {turn}: tell me more about rivers and the sea."})
+            out = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+            replies.append(out.choices[0].message.content)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": replies[-1]})
+        return replies, cached
+
+    replies, cached = chat(client)
+    with running_server(chat_artifact, tmp_path, "--no-prefix-cache") as off:
+        replies_off, cached_off = chat(OpenAI(base_url=off.url + "/v1", api_key=API_KEY, max_retries=0))
+        assert off.metric("pipeline_prefix_cache_queried_tokens_total") == 0
+    assert replies == replies_off
+    assert cached_off == [0, 0, 0] and all(n > 0 for n in cached[1:])
+
+
 def test_concurrent_greedy_requests_each_get_their_text_alone(server, client):
     def one(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0).choices[0].text

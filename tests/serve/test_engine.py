@@ -123,3 +123,108 @@ def test_a_sampled_request_depends_on_its_seed_only(engine):
     assert again.generated == alone.generated
 
 
+
+
+def _chat(engine, turns: int = 3) -> tuple[list[list[int]], list[int]]:
+    """A chat of ``turns`` greedy turns through ``engine``: each prompt is the last one, its reply and a new
+    message. Each turn's tokens, and the prompt tokens each reused."""
+    history, replies, cached = [5, 17, 300, 42, 9, 77, 1, 250, 11, 60] * 3, [], []
+    for turn in range(turns):
+        events = []
+        r = Request(list(history), 8, SamplingParams(temperature=0.0), emit=events.append, ignore_eos=True)
+        engine.submit(r)
+        run(engine)
+        assert events[-1].kind == "done", events[-1]
+        assert events[-1].usage["prompt_tokens_details"] == {"cached_tokens": r.cached}
+        replies.append(list(r.generated))
+        cached.append(r.cached)
+        history += r.generated + [100 + turn, 200 + turn, 300 + turn, 400 + turn]
+    return replies, cached
+
+
+def test_a_chat_turn_reuses_the_last_turns_rows_and_gives_the_text_without_reuse(chat_artifact):
+    """The engine adopts the rows the last turn left (its prompt and its reply less the reply's last
+    token, never fed): usage and /metrics say how many; the text is the text of an engine whose session
+    keeps no rows (the server's --no-prefix-cache)."""
+    from pipeline.runtime.session import Session
+
+    on = Engine(Session(chat_artifact), Metrics())
+    off = Engine(Session(chat_artifact, prefix_cache=False), Metrics())
+    replies, cached = _chat(on)
+    assert (replies, [0, 0, 0]) == _chat(off)
+    assert cached == [0, 30 + 8 - 1, 30 + 8 + 4 + 8 - 1]
+    text = on.metrics.render().decode()
+    prompts = 30 + 42 + 54
+    for name, value in (("pipeline_prefix_cache_reused_tokens_total", sum(cached)),
+                        ("pipeline_prefix_cache_queried_tokens_total", prompts),
+                        ("pipeline_prefill_tokens_total", prompts - sum(cached)),
+                        ("pipeline_prefix_cache_hits_total", 2),
+                        ("pipeline_prefix_cache_hit_rate", sum(cached) / prompts)):
+        assert f"{name} {float(value)!r}" in text, (name, value, [line for line in text.splitlines() if "prefix" in line])
+    assert "pipeline_prefix_cache_queried_tokens_total 0.0" in off.metrics.render().decode()
+
+
+def _soak(engine, chats: int = 8, turns: int = 3, one_offs: int = 6, every: int = 5) -> dict:
+    """``chats`` multi-turn chats at once (each turn submitted when its last one ended, with the whole
+    conversation) and one-off requests arriving meanwhile; every tenth turn's client goes away after two
+    tokens. Returns each request's tokens by its name; checks that every request ended once."""
+    import random
+
+    rng = random.Random(0)
+    history = {c: [rng.randrange(100, 500) for _ in range(12 + c)] for c in range(chats)}
+    turn = dict.fromkeys(range(chats), 0)
+    live, events, out, n = {}, {}, {}, 0  # live: chat -> (name, request, hangs up)
+    pending_one_offs = [(f"one{i}", [rng.randrange(100, 500) for _ in range(5 + 7 * i)]) for i in range(one_offs)]
+    for step in range(10_000):
+        for c in range(chats):
+            if c not in live and turn[c] < turns:
+                name = f"chat{c}.{turn[c]}"
+                events[name] = []
+                r = Request(list(history[c]), 8, SamplingParams(temperature=0.0), emit=events[name].append, ignore_eos=True)
+                engine.submit(r)
+                live[c] = (name, r, n % 10 == 9)
+                n += 1
+        if pending_one_offs and step % every == 0:
+            name, prompt = pending_one_offs.pop(0)
+            events[name] = []
+            live[name] = (name, Request(prompt, 6, SamplingParams(temperature=0.0), emit=events[name].append,
+                                        ignore_eos=True), False)
+            engine.submit(live[name][1])
+        engine.iterate()
+        for key, (name, r, hangs_up) in list(live.items()):
+            if hangs_up and len(r.generated) == 2 and not r.cancelled:
+                r.cancel()
+            if r.finished:
+                out[name] = r.generated[:2] if hangs_up else list(r.generated)
+                kinds = [e.kind for e in events[name]]
+                assert "error" not in kinds and kinds.count("done") == (0 if hangs_up else 1), (name, kinds)
+                del live[key]
+                if key in history:
+                    history[key] += out[name] + [7, 8, 9]
+                    turn[key] += 1
+        if not live and not pending_one_offs and all(t == turns for t in turn.values()):
+            break
+    run(engine)  # the last ones' sequences released
+    assert not engine.session.seqs and not engine.requests, "no sequence and no request is left behind"
+    assert len(out) == chats * turns + one_offs
+    return out
+
+
+@pytest.mark.parametrize("chats, turns, one_offs, every", [(8, 3, 6, 5), (3, 4, 4, 7)], ids=["8-chats", "3-chats"])
+def test_a_soak_of_chats_loses_no_request_leaks_no_sequence_and_gives_the_text_without_reuse(chat_artifact, chats, turns,
+                                                                                             one_offs, every):
+    """Chats at once on four sequences, one-off requests arriving meanwhile, a tenth of the turns hung up
+    mid-stream: every request ends once, nothing is left held, and every request's tokens are those of
+    an engine whose session keeps no rows. Eight chats on four columns thrash (a waiting request takes
+    the column a chat's last turn just left, before its next turn comes: no reuse, and none is wrong);
+    three reuse their last turn's rows."""
+    from pipeline.runtime.session import Session
+
+    on = Engine(Session(chat_artifact), Metrics(), max_queue=64)
+    got = _soak(on, chats, turns, one_offs, every)
+    assert len(on.session.prefix_cache.entries) <= on.session.max_seqs  # one per column at most
+    hits = [line for line in on.metrics.render().decode().splitlines() if line.startswith("pipeline_prefix_cache_hits_total")]
+    if chats < on.session.max_seqs:
+        assert float(hits[0].split()[-1]) >= turns, hits
+    off = Engine(Session(chat_artifact, prefix_cache=False), Metrics(), max_queue=64)
+    assert got == _soak(off, chats, turns, one_offs, every)

@@ -20,14 +20,17 @@ class StandIn:
     def __init__(self, max_seqs: int, max_step_tokens: int, vision: dict | None = None, image_error=None):
         self.max_seqs, self.max_step_tokens, self.max_length = max_seqs, max_step_tokens, 1000
         self.speculation, self.pool, self.vision, self.image_error = None, object(), vision, image_error
+        self.prefix_cache = None  # it keeps no released rows: the plans offer no prefixes
         self.tokenizer = SimpleNamespace(eos_token_id=None)
         self.seqs: dict = {}
         self.steps: list[dict] = []
 
-    def add(self, seq_id) -> None:
+    def add(self, seq_id, prefix=(), images=()) -> int:
         if seq_id in self.seqs or len(self.seqs) >= self.max_seqs:
             raise SessionError(f"cannot add sequence {seq_id!r}")
+        assert not prefix, "a plan without the prefix cache offers no prefix"
         self.seqs[seq_id] = 0
+        return 0
 
     def release(self, seq_id) -> None:
         del self.seqs[seq_id]

@@ -29,3 +29,20 @@ def test_bad_flags_are_refused(tmp_path):
 def test_a_negative_number_of_engine_restarts_is_refused(tmp_path):
     out = serve(str(tmp_path), "--engine-restarts", "-1")
     assert out.returncode == 2 and "--engine-restarts=-1 must be >= 0" in out.stderr
+
+
+def test_the_prefix_cache_is_on_unless_no_prefix_cache_is_given():
+    from pipeline.serve.__main__ import parse
+
+    assert parse(["artifact"]).prefix_cache is True
+    assert parse(["artifact", "--no-prefix-cache"]).prefix_cache is False
+
+
+def test_the_prefill_chunk_defaults_to_32_and_0_lifts_the_cap(tmp_path):
+    from pipeline.serve.__main__ import DEFAULT_PREFILL_CHUNK, parse
+
+    assert DEFAULT_PREFILL_CHUNK == 32 and parse(["artifact"]).prefill_chunk == 32
+    assert parse(["artifact", "--prefill-chunk", "0"]).prefill_chunk is None  # the whole width the decodes leave
+    assert parse(["artifact", "--prefill-chunk", "16"]).prefill_chunk == 16
+    out = serve(str(tmp_path), "--prefill-chunk", "-1")
+    assert out.returncode == 2 and "--prefill-chunk=-1 must be >= 1, or 0" in out.stderr
