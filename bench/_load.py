@@ -31,6 +31,29 @@ class Result:
     cached_tokens: int = 0  # of those, taken from the server's prompt cache (llama-server reports it)
 
 
+def sse_events(resp):
+    """The JSON events of a streamed OpenAI response, up to ``[DONE]``."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        payload = line[6:]
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def stop_process(process: subprocess.Popen, log) -> None:
+    """A server started by a benchmark stopped (killed after 30 s) and its log closed."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    log.close()
+
+
 def stream_completion(port: int, body: dict, disconnect_after: int | None = None, api_key: str | None = None) -> Result:
     """One streamed completion; ``disconnect_after``: hang up after that many tokens."""
     result = Result(max_tokens=body.get("max_tokens", 16))
@@ -44,14 +67,7 @@ def stream_completion(port: int, body: dict, disconnect_after: int | None = None
             result.error = f"{resp.status} {resp.read()[:200]!r}"
             return result
         last = None
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[6:]
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
+        for event in sse_events(resp):
             if "error" in event:
                 result.error = event["error"].get("message")
                 break

