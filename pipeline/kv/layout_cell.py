@@ -16,7 +16,8 @@ import itertools
 from dataclasses import dataclass
 
 from pipeline.errors import SessionError
-from pipeline.kv.layouts import CELL_OWNER_BITS, DTYPE_BYTES, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer, gather_values
+from pipeline.kv.gather import gather_values
+from pipeline.kv.layouts import CELL_OWNER_BITS, DTYPE_BYTES, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ its column once for all its tokens, and no step reads another sequence's rows or
 
 from dataclasses import dataclass
 
+from pipeline.kv.gather import gather_values
 from pipeline.kv.layouts import (
     DTYPE_BYTES,
     AttentionKernel,
@@ -20,7 +21,6 @@ from pipeline.kv.layouts import (
     Pool,
     SeqState,
     StepBuffer,
-    gather_values,
     prefix_rows_held,
     sequence_segments,
 )
