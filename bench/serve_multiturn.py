@@ -246,7 +246,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
 
     need = longest_conversation(args, AutoTokenizer.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name))
     check_capacity(f"{args.artifact} (kv.capacity)", read(Path(args.artifact))[TARGET]["max_seq_len"], need, 0)
-    ours = [sys.executable, "-m", "pipeline.serve", args.artifact, "--port", "{port}", "--model-name", "m"]
+    ours = [sys.executable, "-m", "pipeline.serve", str(Path(args.artifact).resolve()), "--port", "{port}", "--model-name", "m"]
     out = [Server("ours", ours, "/ready")]
     if args.no_prefix_cache_too:
         out.append(Server("ours --no-prefix-cache", [*ours, "--no-prefix-cache"], "/ready"))

@@ -39,7 +39,9 @@ class Session:
     """``methods`` replaces the ExecuTorch runtime with other runners of the same methods
     (name -> callable(list of inputs) -> list of outputs), e.g. AOTInductor on a GPU. ``prefix_cache``:
     released sequences' rows are kept for new sequences that start alike (``add``); False: they are
-    freed at once, and ``add`` never adopts."""
+    freed at once, and ``add`` never adopts. A non-causal target (``model.causal=false``) has none: a row
+    of a chunk that sees itself whole depends on the tokens after it in that chunk, so a prefix's rows
+    are not the rows a sequence of that prefix alone would write."""
 
     def __init__(self, artifact_dir: str | Path, methods: dict | None = None, prefix_cache: bool = True):
         artifact_dir = Path(artifact_dir)
@@ -58,7 +60,7 @@ class Session:
         self.vision = self.manifest.get(VISION)
         self.images: dict[object, torch.Tensor] = {}
         self._image_processor = None
-        self.prefix_cache = PrefixCache(self.models) if prefix_cache else None
+        self.prefix_cache = PrefixCache(self.models) if prefix_cache and self.kv["causal"] else None
         self.tokens: dict[object, list[int]] = {}  # each live sequence's tokens, those its rows hold
         self.image_keys: dict[object, list[str]] = {}  # each live sequence's images' keys, in add_image order
         # an adopted prefix's images: the keys add_image must be given first, and the features it skips

@@ -144,8 +144,9 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     report = {
         "scenario": {
             "layout": session.layout, "max_seqs": session.max_seqs,
-            "sequences": [{"id": s.seq_id, "prompt_tokens": len(s.prompt), "decoded": s.decoded} for s in scripts],
-            **stats,
+            "sequences": [{"id": s.seq_id, "prompt_tokens": len(s.prompt), "decoded": s.decoded,
+                           "reused": stats["reused"].get(s.seq_id, 0)} for s in scripts],
+            **{key: value for key, value in stats.items() if key != "reused"},
         },
         **({"text": text, "chat_template": chat} if scripts[0].text is not None else {}),
         "runtime": runtime,
@@ -163,6 +164,9 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     (workdir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"  max relative error ({validate_cfg.metric}) {worst:.2e} (tolerance {tolerance:.2g}"
           f"{', against the quantized eager model' if quantized else ''}) over {stats['steps']} steps", flush=True)
+    if stats["reused"]:
+        print("  prefix cache: " + ", ".join(f"{seq_id} adopted {n} prompt tokens of a released sequence's rows"
+                                             for seq_id, n in stats["reused"].items()), flush=True)
     if quant:
         vs = quant["against_unquantized"]
         print(f"  against the unquantized model: greedy tokens agree on {vs['token_agreement']:.1%} of steps, max "

@@ -67,10 +67,26 @@ def relative_error(got: torch.Tensor, want: torch.Tensor, metric: str = "range")
 
 
 def plan(validate_cfg, max_seqs: int, vocab: int) -> list[Script]:
-    """The episode's sequences (``feasibility.episode_sequences``) with random prompts."""
+    """The episode's sequences (``feasibility.episode_sequences``) with random prompts; the last one, which
+    waits for the first's column, begins as the first does (``share_prefix``)."""
     gen = torch.Generator().manual_seed(validate_cfg.seed)
-    return [Script(f"seq{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), decode_steps)
-            for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
+    scripts = [Script(f"seq{i}", torch.randint(0, vocab, (n,), generator=gen).tolist(), decode_steps)
+               for i, (n, decode_steps) in enumerate(episode_sequences(validate_cfg, max_seqs))]
+    share_prefix(scripts)
+    return scripts
+
+
+def share_prefix(scripts: list[Script]) -> None:
+    """The last sequence (it waits until the first, the shortest, is released) starts with the first's
+    prompt, up to all but its own last token, so that a session with the prefix cache adopts the
+    released rows (where they still hold it: ``kv/layouts.prefix_rows_held``). Its length stays, so
+    the episode's feasibility does not change. Not for text prompts (there a chat template's shared
+    opening is the prefix) or image sequences."""
+    first, last = scripts[0], scripts[-1]
+    if len(scripts) < 2 or first.text is not None or first.image is not None or last.image is not None:
+        return
+    shared = min(len(first.prompt), len(last.prompt) - 1)
+    last.prompt = first.prompt[:shared] + last.prompt[shared:]
 
 
 def add_images(scripts: list[Script], vision: dict, vocab_size: int, seed: int) -> None:
@@ -224,12 +240,15 @@ def run_episode(session: Session, model, scripts: list[Script], causal: bool, me
     oracles = Oracles(model, causal, metric, stepwise or draft is not None or not causal,
                       session.vision["image_token_id"] if session.vision else None, draft, vision, unquantized)
     block = session.speculation.block_size if draft is not None else 0
+    # a released sequence's rows adopted where a prompt begins alike (not with a draft: the eager draft's
+    # rows of an adopted prefix are not rebuilt here; tests/runtime/test_speculation.py checks those)
     budget = Budget(session.max_step_tokens, session.max_seqs, speculative=draft is not None,
-                    cells=getattr(session.pool, "n_cells", None))
+                    cells=getattr(session.pool, "n_cells", None),
+                    prefix_cache=session.prefix_cache is not None and draft is None)
     slots = {s.seq_id: Slot(s.seq_id, s.prompt, cells=len(s.prompt) + s.decode_steps + block) for s in scripts}
     by_id = {s.seq_id: s for s in scripts}
     held = list(slots.values())
-    stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0}
+    stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "tokens": 0, "max_live": 0, "reused": {}}
     if draft is not None:
         stats["speculative_rounds"] = 0
     total = sum(len(s.prompt) + s.decode_steps for s in scripts)
@@ -241,8 +260,10 @@ def run_episode(session: Session, model, scripts: list[Script], causal: bool, me
                 session.release(slot.id)
                 held.remove(slot)
             for slot in step.admitted:
-                _join(session, oracles, by_id[slot.id])
-                slot.admit()
+                reused = _join(session, oracles, by_id[slot.id], step.prefixes.get(slot.id, ()))
+                step.admit(slot, reused)
+                if reused:
+                    stats["reused"][slot.id] = reused
             stats["max_live"] = max(stats["max_live"], sum(slot.state is not State.WAITING for slot in held))
             if step.feeds:
                 _check_step(session.step(step.feeds), step.feeds, slots, by_id, oracles, stats)
@@ -262,17 +283,26 @@ def run_episode(session: Session, model, scripts: list[Script], causal: bool, me
     return stats
 
 
-def _join(session: Session, oracles: Oracles, s: Script) -> None:
-    """A sequence the schedule admitted: the oracles' caches (step by step), its sequence, its image."""
+def _join(session: Session, oracles: Oracles, s: Script, prefix) -> int:
+    """A sequence the schedule admitted: its sequence (adopting what the session holds of ``prefix``), its
+    image, the oracles' caches (step by step: holding the adopted prefix, as the eager model on those
+    tokens computes it; else the prefix is the start of the tokens of the one forward). Returns the
+    prompt tokens adopted."""
+    reused = session.add(s.seq_id, prefix)
     if oracles.stepwise:
         s.cache = ReferenceCache(oracles.model.args.layer_kv(), causal=oracles.causal)
         if oracles.unquantized is not None:
             s.float_cache = ReferenceCache(oracles.model.args.layer_kv(), causal=oracles.causal)
     if oracles.draft is not None:
         s.draft_cache = ReferenceCache(oracles.draft.layer_kv(), causal=False)
-    session.add(s.seq_id)
     if s.image is not None:
         _encode_image(session, oracles.model, oracles.vision, s, oracles.metric)
+    if reused and oracles.stepwise:  # the unquantized oracle first: the quantized one's call takes the image rows
+        if oracles.unquantized is not None:
+            _oracle_step(oracles.unquantized, s, s.prompt[:reused], 0, (), oracles.placeholder, s.float_cache)
+        _oracle_step(oracles.model, s, s.prompt[:reused], 0, oracles.taps, oracles.placeholder)
+    s.fed_tokens = list(s.prompt[:reused])
+    return reused
 
 
 def _check_step(logits: dict, feeds: dict, slots: dict, by_id: dict, oracles: Oracles, stats: dict) -> None:

@@ -197,3 +197,27 @@ def test_a_refused_add_changes_nothing_and_keeps_the_cache(artifact):
     assert s.prefix_cache.entries == entries and not s.seqs
     _, reused = same(s, fresh, {"x": prompt + [1]}, 3)
     assert reused == {"x": 20}
+
+
+
+def test_a_non_causal_target_keeps_no_prefix_cache(build_dir):
+    """A chunk that sees itself whole writes rows that depend on the tokens after them in the chunk, so a
+    prefix's rows are not those of the prefix alone: the session keeps no prefix cache. One forced on
+    such a session adopts 11 tokens of a 16-token chunk, and the logits differ from a fresh run's."""
+    from pipeline.runtime.prefix_cache import PrefixCache
+
+    artifact = build_dir("model.causal=false", "kv=sequence", "kv.max_seqs=4", "backend=portable",
+                         "experiment_name=noncausal4", "stages=[export,lower_kv,compile]")
+    gen = torch.Generator().manual_seed(6)
+    first = words(gen, 25)
+    second = first[:11] + words(gen, 9)
+    s, fresh = Session(artifact), Session(artifact, prefix_cache=False)
+    assert s.prefix_cache is None
+    serve(s, {"a": first}, 3)
+    assert serve(s, {"b": second}, 3)[2] == {"b": 0}
+    s.prefix_cache = PrefixCache(s.models)  # what the session refuses to do
+    serve(s, {"a": first}, 3)
+    _, got, reused = serve(s, {"b": second}, 3)
+    _, want, _ = serve(fresh, {"b": second}, 3, reuse=False)
+    assert reused == {"b": 11}
+    assert float((got["b"][0] - want["b"][0]).abs().max()) > 1e-3

@@ -83,6 +83,32 @@ def test_oracle_over_each_sequence_equals_the_step_by_step_oracle(staged):
     assert steps > 10 and max(e for s in runs[False] for e in s.errors) > 0  # errors measured, not zeros
 
 
+def test_the_episode_adopts_a_released_prefix_within_tolerance_of_both_oracles(staged):
+    """The episode's last sequence begins with the first's prompt and waits for its column: it adopts
+    those rows (here 37 tokens: the ring layers still hold what it reads) and prefills the rest; the
+    .pte stays within tolerance of the oracle, whether it runs step by step over a cache that holds the
+    prefix or once over the whole sequence, and gives the greedy tokens of a session without the cache."""
+    from omegaconf import OmegaConf
+
+    from pipeline.runtime.session import Session
+
+    cfg, model = staged["cfg"], staged["export"]["models"][TARGET]
+    validate_cfg = OmegaConf.merge(cfg.validate, {"prompt_lengths": [37, 50]})
+    runs = {}
+    for name, prefix_cache, stepwise in (("step", True, True), ("end", True, False), ("off", False, False)):
+        scripts = validate.plan(validate_cfg, 1, model.args.vocab_size)
+        assert scripts[1].prompt[:37] == scripts[0].prompt
+        stats = validate.run_episode(Session(staged["work"], prefix_cache=prefix_cache), model, scripts, causal=True,
+                                     stepwise=stepwise)
+        assert stats["reused"] == ({"seq1": 37} if prefix_cache else {})
+        assert max(e for s in scripts for e in s.errors) < 1e-5
+        runs[name] = scripts
+    for step, end, off in zip(runs["step"], runs["end"], runs["off"], strict=True):
+        assert len(step.errors) == len(end.errors) > 0
+        assert max(abs(a - b) for a, b in zip(step.errors, end.errors, strict=True)) < 1e-6
+        assert step.generated == end.generated == off.generated
+
+
 def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     """The program was compiled from the true weights; an oracle that disagrees must fail the build."""
     model = copy.deepcopy(staged["export"]["models"][TARGET])
