@@ -2,6 +2,7 @@
 attention matmuls and softmax); the KV store's index ops and the mask math stay portable kernels."""
 
 import contextlib
+import math
 
 from pipeline.backends import Backend
 
@@ -98,9 +99,38 @@ def split_cyclic_partitions(graph, partition_tags: dict) -> list[str]:
                                "connected: no split of them is known to be valid")
 
 
+# tanh-GELU's constants, as ATen's CPU kernel writes them: sqrt(2 / pi) and the cubic term's factor
+GELU_TANH_BETA = math.sqrt(2.0 / math.pi)
+GELU_TANH_KAPPA = 0.044715
+
+
+def gelu_tanh(x, approximate: str = "none"):
+    """``aten.gelu(x, approximate="tanh")`` as the ops of its formula, 0.5 x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3))), each of which XNNPACK computes as torch does (to fp32 rounding); the exact (erf)
+    GELU is left to XNNPACK's own op (NotImplemented: not decomposed).
+
+    ExecuTorch 1.5.1's XNNPACK partitioner takes every ``gelu`` (its GeluConfig ignores ``approximate``)
+    and XNNPACK's GELU is the erf form: a tanh-GELU delegated whole differs from torch's by 4.7e-4 (Gemma
+    3's MLP failed validation at 2.3e-4). Decomposed, it is exact (tests/backends/test_elementwise.py).
+    Measured against keeping the ``gelu`` out of the delegate (portable's kernel; the partition split
+    around it): docs/benchmarks.md "gelu_tanh"."""
+    import torch
+
+    if approximate != "tanh":
+        return NotImplemented
+    inner = GELU_TANH_BETA * (x + GELU_TANH_KAPPA * (x * x * x))
+    return 0.5 * x * (1 + torch.tanh(inner))
+
+
 class Xnnpack(Backend):
     name = "xnnpack"
     quantized_kernels = True  # qc8w / qb4w linears; the quantized embedding ops run in ExecuTorch's kernels
+
+    def inlined(self) -> dict:
+        """The custom ops' ATen bodies, and tanh-GELU as its formula (``gelu_tanh``)."""
+        import torch
+
+        return {**super().inlined(), torch.ops.aten.gelu.default: gelu_tanh}
 
     def partitioners(self, methods: list[str]):
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner

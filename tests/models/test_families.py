@@ -140,8 +140,10 @@ def test_static_rope_refuses_contexts_beyond_its_original(checkpoints):
 
 # --- the artifact: each family in both layouts, through a continuous-batching episode ---
 
-LAYOUTS = {"sequence": ["kv=sequence", "kv.max_seqs=4", "kv.capacity=96"],
-           "cell": ["kv=cell", "kv.max_seqs=4", "kv.capacity=256"]}
+# each family on both CPU backends, a layout on each: XNNPACK (the default, where a delegated op may compute
+# something other than torch: tests/backends/test_elementwise.py) and portable
+LAYOUTS = {"sequence": ["kv=sequence", "kv.max_seqs=4", "kv.capacity=96", "backend=xnnpack"],
+           "cell": ["kv=cell", "kv.max_seqs=4", "kv.capacity=256", "backend=portable"]}
 
 
 def episode(session, hf, gen):
@@ -190,7 +192,7 @@ def test_artifact_equals_transformers(checkpoints, tmp_path, name, layout):
     from pipeline.runtime.session import Session
 
     directory, hf = checkpoints[name]
-    overrides = [f"+model.checkpoint={directory}", "backend=portable", *LAYOUTS[layout], f"output_root={tmp_path}"]
+    overrides = [f"+model.checkpoint={directory}", *LAYOUTS[layout], f"output_root={tmp_path}"]
     version = build(compose_config(*overrides), overrides)
     assert json.loads((version / "validation.json").read_text())["passed"]
     worst = episode(Session(version), hf, torch.Generator().manual_seed(11))
