@@ -179,7 +179,7 @@ def servers(args: argparse.Namespace, longest: int) -> list[Server]:
         chunks = [[]] + [["--prefill-chunk", str(n)] for n in args.prefill_chunks]
         for chunk in chunks:
             out.append(Server(f"{name} {' '.join(chunk)}".strip(),
-                              [sys.executable, "-m", "pipeline.serve", artifact, "--port", "{port}", "--model-name", "m",
+                              [sys.executable, "-m", "pipeline.serve", str(Path(artifact).resolve()), "--port", "{port}", "--model-name", "m",
                                "--max-queue", "256", *chunk], "/ready",
                               {"stream_options": {"include_usage": True}, "ignore_eos": True}))
     if not args.no_llama_server:
