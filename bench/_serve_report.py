@@ -19,7 +19,8 @@ def _ratio(ours: float, theirs: float) -> str:
 
 
 def _prompt(row: dict) -> str:
-    """The prompt tokens as the server counted them (mean per request) and those it took from its cache."""
+    """The prompt tokens as the server counted them (mean per request) and those it took from its cache
+    (the row's total over its requests)."""
     if row.get("prompt_tokens") is None:
         return "-"
     return f"{row['prompt_tokens']:.0f} / {row.get('cached_tokens', 0)}"
@@ -28,7 +29,7 @@ def _prompt(row: dict) -> str:
 def rows_table(table: dict[str, dict[tuple[int, int], dict]], peer: str = PEER) -> list[str]:
     """One line per server, prompt length and client count; ``x peer`` is its tokens/s over the peer's."""
     lines = [f"| server | prompt | clients | tok/s | x {peer} | req/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | "
-             "ITL p95 ms | tokens / request | prompt tokens / cached (server's count) | errors |",
+             "ITL p95 ms | tokens / request | prompt tokens per request / cached, row total (server's count) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = table.get(peer, {})
     for name, rows in table.items():
