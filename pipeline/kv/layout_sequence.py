@@ -21,8 +21,6 @@ from pipeline.kv.layouts import (
     Pool,
     SeqState,
     StepBuffer,
-    prefix_rows_held,
-    sequence_segments,
 )
 
 
@@ -156,3 +154,40 @@ class ColumnPool(Pool):
 
 
 LAYOUT = SequenceLayout
+
+
+def prefix_rows_held(length: int, written: int, rows: int, window: int) -> bool:
+    """Whether a column of ``rows`` rows (position q at row q % rows), written in position order up to
+    position ``written - 1``, holds what a sequence resuming at ``length`` tokens reads.
+
+    Row r holds the last position written to it: position q is still there iff no later one,
+    q + rows, was written, i.e. q >= written - rows. The resumed sequence's first query, at position
+    ``length``, reads keys from ``length - window + 1`` (a ring layer's window; a flat layer, window 0,
+    reads from 0) and later queries read later keys, or rows they wrote themselves; rows of older
+    positions are listed but masked by the window. So a prefix of ``length`` is held iff
+    ``max(0, length - window + 1) >= written - rows`` (or ``length == 0``). For a ring of
+    ``window + max_step_tokens - 1`` rows that has wrapped (``written > rows``), that is
+    ``length >= written - max_step_tokens``: only the last steps' worth of a wrapped ring's prefixes.
+    A flat layer (rows = capacity >= written) always holds every prefix."""
+    if length == 0:
+        return True
+    first_read = 0 if window == 0 else max(0, length - window + 1)
+    return first_read >= written - rows
+
+
+def sequence_segments(length: int, rows: int, column: int) -> list[tuple[int, int, int, int]]:
+    """Runs of rows holding the last min(length, rows) positions of a sequence.
+
+    Position p lives in row p % rows, so the readable history [length - n, length)
+    is one run, or two when it wraps past the last row.
+    """
+    n = min(length, rows)
+    if n == 0:
+        return []
+    first_pos = length - n
+    first_row = first_pos % rows
+    head = min(n, rows - first_row)
+    runs = [(column, first_row, head, first_pos)]
+    if n > head:
+        runs.append((column, 0, n - head, first_pos + head))
+    return runs

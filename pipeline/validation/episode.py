@@ -79,7 +79,7 @@ def plan(validate_cfg, max_seqs: int, vocab: int) -> list[Script]:
 def share_prefix(scripts: list[Script]) -> None:
     """The last sequence (it waits for a column; the first, which decodes least, is released first) starts with the first's
     prompt, up to all but its own last token, so that a session with the prefix cache adopts the
-    released rows (where they still hold it: ``kv/layouts.prefix_rows_held``). Its length stays, so
+    released rows (where they still hold it: ``kv/layout_sequence.prefix_rows_held``). Its length stays, so
     the episode's feasibility does not change. (Text prompts replace these later, and then a chat
     template's shared opening is the prefix; an image's placeholders go in after a prompt's first token,
     so an image sequence shares that token only.)"""

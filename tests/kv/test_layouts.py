@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from conftest import compose_config
-from pipeline.kv.layouts import KVConfigError, SeqState, build_layout, prefix_rows_held, sequence_segments
+from pipeline.kv.layout_sequence import prefix_rows_held, sequence_segments
+from pipeline.kv.layouts import KVConfigError, SeqState, build_layout
 from pipeline.models.args import model_args
 
 
