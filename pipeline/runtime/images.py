@@ -65,3 +65,83 @@ def image_key(image) -> str:
     digest = hashlib.sha256(f"{getattr(image, 'mode', None)} {array.shape} {array.dtype.str}".encode())
     digest.update(array.tobytes())
     return digest.hexdigest()
+
+
+class SequenceImages:
+    """Each live sequence's images (an artifact with a vision encoder): the features not yet spliced
+    over its placeholder tokens (``queued``), the keys of the images it was given, in order (the prefix
+    cache's key, ``image_key``), and for a sequence that adopted a prefix the images that prefix
+    holds, which ``add_image`` must be given first, and how many of their features it holds already."""
+
+    def __init__(self, placeholder: int | None):
+        self.placeholder = placeholder
+        self.queued: dict[object, torch.Tensor] = {}
+        self.keys: dict[object, list[str]] = {}
+        self.adopted: dict[object, tuple[list[str], int]] = {}
+
+    def __contains__(self, seq_id) -> bool:
+        """Whether ``seq_id`` has features whose placeholder tokens were not fed yet."""
+        return seq_id in self.queued
+
+    def __getitem__(self, seq_id) -> torch.Tensor:
+        return self.queued[seq_id]
+
+    def start(self, seq_id, adopted: list[str] | None = None, held: int = 0) -> None:
+        """A new sequence; ``adopted``: the keys of the images of the prefix it adopted, whose first
+        ``held`` features (placeholders) that prefix holds."""
+        self.keys[seq_id] = []
+        if adopted:
+            self.adopted[seq_id] = (list(adopted), held)
+
+    def end(self, seq_id) -> list[str]:
+        """Forget a released sequence; returns its images' keys."""
+        self.queued.pop(seq_id, None)
+        self.adopted.pop(seq_id, None)
+        return self.keys.pop(seq_id)
+
+    def held(self, seq_id, key: str, n_image_tokens: int) -> int:
+        """How many of the features of the image ``key`` that ``seq_id`` is given next its adopted prefix
+        holds already; refused if that prefix holds another image's placeholders."""
+        expected, skip = self.adopted.get(seq_id, ([], 0))
+        if expected and key != expected[0]:
+            raise SessionError(f"sequence {seq_id!r} adopted a prefix holding the placeholders of another image than "
+                               f"this one (image {len(self.keys[seq_id])}); pass add() the images the sequence adds")
+        return min(skip, n_image_tokens)
+
+    def pending(self, seq_id, width: int) -> torch.Tensor:
+        """The features queued for ``seq_id`` (none: an empty [0, width])."""
+        return self.queued.get(seq_id, torch.zeros(0, width))
+
+    def add(self, seq_id, key: str, features: torch.Tensor, held: int) -> None:
+        """The image ``key``'s features for ``seq_id``, its first ``held`` ones left out (the adopted
+        prefix holds them)."""
+        queued = self.queued.get(seq_id)
+        if queued is not None or held < len(features):  # (features the prefix holds entirely are not queued at all)
+            rest = features[held:].float()
+            self.queued[seq_id] = rest if queued is None else torch.cat([queued, rest])
+        self.keys[seq_id].append(key)
+        expected, skip = self.adopted.get(seq_id, ([], 0))
+        if expected:
+            self.adopted[seq_id] = (expected[1:], skip - held)
+
+    def spliced(self, order, embeddings: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Queued features over the step's placeholder tokens (``order``: (seq_id, state, tokens) in
+        the step's rows), in order, while a sequence has some; and the features left once the step ran
+        (``commit``)."""
+        left = dict(self.queued)
+        if not any(seq_id in left for seq_id, *_ in order):
+            return embeddings, left
+        embeddings, row = embeddings.clone(), 0
+        for seq_id, _, toks in order:
+            if (queued := left.get(seq_id)) is not None:
+                used = splice(embeddings, toks, self.placeholder, queued, row)
+                if used == len(queued):
+                    del left[seq_id]
+                else:
+                    left[seq_id] = queued[used:]
+            row += len(toks)
+        return embeddings, left
+
+    def commit(self, left: dict) -> None:
+        """The step ran: what it did not splice stays queued."""
+        self.queued = left

@@ -28,6 +28,7 @@ from pipeline.build.manifest import constant_methods, read, sections
 from pipeline.build.roles import DRAFT, EMBED, TARGET, TARGET_STEP, VISION, VISION_ENCODER
 from pipeline.errors import SessionError
 from pipeline.kv.layouts import SeqState
+from pipeline.runtime.images import SequenceImages, encoder_input, image_key, load_processor, pixels
 from pipeline.runtime.model_state import ModelState
 from pipeline.runtime.prefix_cache import PrefixCache, Retained
 from pipeline.runtime.speculation import Round, Speculation
@@ -56,15 +57,12 @@ class Session:
         self.kv, self.kv_layout, self.pool, self.seqs = target.section, target.layout, target.pool, target.seqs
         # a draft's speculative rounds: its sequences' lengths lag the target's by the features not yet given to it
         self.speculation = Speculation(self.models[DRAFT]) if DRAFT in self.models else None
-        # a vision encoder: each sequence's image features not yet spliced over its placeholder tokens
+        # a vision encoder: each sequence's image features not yet spliced, its images' keys
         self.vision = self.manifest.get(VISION)
-        self.images: dict[object, torch.Tensor] = {}
+        self.images = SequenceImages(self.vision["image_token_id"] if self.vision else None)
         self._image_processor = None
         self.prefix_cache = PrefixCache(self.models) if prefix_cache and self.kv["causal"] else None
         self.tokens: dict[object, list[int]] = {}  # each live sequence's tokens, those its rows hold
-        self.image_keys: dict[object, list[str]] = {}  # each live sequence's images' keys, in add_image order
-        # an adopted prefix's images: the keys add_image must be given first, and the features it skips
-        self._adopted_images: dict[object, tuple[list[str], int]] = {}
         self._methods = {}
         if methods is None:
             from executorch.runtime import Runtime
@@ -141,7 +139,7 @@ class Session:
                 "release one first or build with a larger kv.max_seqs")
         prefix = self.check_tokens(seq_id, prefix) if prefix is not None and len(prefix) else []
         cache = self.prefix_cache
-        keys = self._image_keys(images) if prefix and cache is not None else []
+        keys = [image_key(image) for image in images] if prefix and cache is not None else []
         free = sorted(set(range(self.max_seqs)) - {s.slot for s in self.seqs.values()})
         entry, length = None, 0
         if cache is not None:
@@ -156,11 +154,12 @@ class Session:
         for name, model in self.models.items():
             model.seqs[seq_id] = states[name]
         self.tokens[seq_id] = prefix[:length]
-        self.image_keys[seq_id] = []
         if entry is not None and self.vision:
             held = sum(t == self.vision["image_token_id"] for t in prefix[:length])  # placeholders the prefix holds
             covered = -(-held // self.vision["n_image_tokens"])  # images with a placeholder in it
-            self._adopted_images[seq_id] = (list(entry.images[:covered]), held)
+            self.images.start(seq_id, entry.images[:covered], held)
+        else:
+            self.images.start(seq_id)
         if self.speculation:
             self.speculation.add(seq_id, self._draft_features(entry, length))
         return length
@@ -176,21 +175,13 @@ class Session:
         """Give up a released sequence's rows (``prefix_cache.entries``): its cells are free at once."""
         self.prefix_cache.evict(entry)
 
-    def _image_keys(self, images: Sequence) -> list[str]:
-        if not images:
-            return []
-        from pipeline.runtime.images import image_key
-
-        return [image_key(image) for image in images]
-
     def release(self, seq_id) -> None:
         """Forget a sequence. With the prefix cache, its rows stay as they are, in every model, as a
         ``Retained`` entry (its tokens, its images' keys, each model's state; a draft's pending features)
         until a new sequence adopts them or its column or cells are needed; without it, its column (or its
         cells) serve the next sequence at once."""
         seq = self.sequence(seq_id)
-        tokens, keys = self.tokens.pop(seq_id), self.image_keys.pop(seq_id)
-        self._adopted_images.pop(seq_id, None)
+        tokens, keys = self.tokens.pop(seq_id), self.images.end(seq_id)
         features = self.speculation.release(seq_id) if self.speculation else None
         states = {name: model.seqs.pop(seq_id) for name, model in self.models.items()}
         if self.prefix_cache is None or seq.length == 0:
@@ -198,7 +189,6 @@ class Session:
                 self.models[name].pool.release(state)
         else:
             self.prefix_cache.retain(tokens, keys, states, features)
-        self.images.pop(seq_id, None)
 
     def committed(self, seq_id, tokens: list[int]) -> None:
         """A step kept ``tokens`` of ``seq_id`` (its length grew by them): the tokens its rows hold."""
@@ -209,8 +199,6 @@ class Session:
     @property
     def image_processor(self):
         if self._image_processor is None:
-            from pipeline.runtime.images import load_processor
-
             self._image_processor = load_processor(self.artifact_dir / self.vision["image_processor"])
         return self._image_processor
 
@@ -222,17 +210,11 @@ class Session:
         image (refused otherwise); the features the prefix holds are not queued again."""
         if not self.vision:
             raise SessionError(f"{self.artifact_dir} has no vision encoder: build with vision=smolvlm_tiny (or another)")
-        from pipeline.runtime.images import encoder_input, image_key, pixels
-
         seq = self.sequence(seq_id)
-        queued = self.images.get(seq_id, torch.zeros(0, self.vision["out_dim"]))
+        queued = self.images.pending(seq_id, self.vision["out_dim"])
         n = self.vision["n_image_tokens"]
         key = image_key(image)
-        expected, skip = self._adopted_images.get(seq_id, ([], 0))
-        if expected and key != expected[0]:
-            raise SessionError(f"sequence {seq_id!r} adopted a prefix holding the placeholders of another image than "
-                               f"this one (image {len(self.image_keys[seq_id])}); pass add() the images the sequence adds")
-        held = min(skip, n)  # this image's features the adopted prefix holds already
+        held = self.images.held(seq_id, key, n)  # this image's features the adopted prefix holds already
         end = seq.length + len(queued) + n - held
         if self.max_length is not None and end > self.max_length:
             raise SessionError(f"sequence {seq_id!r}: the image's {n} tokens would take it to {end} tokens, past the "
@@ -242,31 +224,8 @@ class Session:
             features = self.method(VISION_ENCODER).execute([encoder_input(self.vision, px).to(getattr(torch, self.vision["dtype"]))])[0][0]
         except Exception as err:
             raise SessionError(f"the program failed encoding the image of sequence {seq_id!r} ({err})") from err
-        if len(queued) or held < n:  # (features the prefix holds entirely are not queued at all)
-            self.images[seq_id] = torch.cat([queued, features[held:].float()])
-        self.image_keys[seq_id].append(key)
-        if expected:
-            self._adopted_images[seq_id] = (expected[1:], skip - held)
+        self.images.add(seq_id, key, features, held)
         return features.clone()
-
-    def _splice(self, order, embeddings: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Image features over the step's placeholder tokens, in order, while a sequence has some;
-        and the features left once the step ran (committed by the caller)."""
-        from pipeline.runtime.images import splice
-
-        left = dict(self.images)
-        if not any(seq_id in left for seq_id, *_ in order):
-            return embeddings, left
-        embeddings, row = embeddings.clone(), 0
-        for seq_id, _, toks in order:
-            if (queued := left.get(seq_id)) is not None:
-                used = splice(embeddings, toks, self.vision["image_token_id"], queued, row)
-                if used == len(queued):
-                    del left[seq_id]
-                else:
-                    left[seq_id] = queued[used:]
-            row += len(toks)
-        return embeddings, left
 
     def sequence(self, seq_id) -> SeqState:
         """A live sequence's state in the target; an unknown id is refused naming the live ones."""
@@ -318,7 +277,7 @@ class Session:
         pos_t = torch.tensor([p for _, seq, toks in order for p in range(seq.length, seq.length + len(toks))],
                              dtype=torch.int64)
         try:
-            embeddings, images_left = self._splice(order, self.method(EMBED).execute([token_t])[0])
+            embeddings, images_left = self.images.spliced(order, self.method(EMBED).execute([token_t])[0])
             self.models[TARGET].writing([(seq, len(toks)) for _, seq, toks in order], cells)
             out = self.method(TARGET_STEP).execute([embeddings, pos_t, torch.tensor(logit_rows, dtype=torch.int64),
                                                     *step_buffers])
@@ -326,7 +285,7 @@ class Session:
             ids = ", ".join(repr(seq_id) for seq_id, *_ in order)
             raise SessionError(f"the program failed on the step of sequences {ids} ({err}); "
                                "the session is unchanged") from err
-        self.images = images_left
+        self.images.commit(images_left)
         return out[0], (out[1] if self.speculation else None)
 
     def check_tokens(self, seq_id, toks) -> list[int]:
@@ -375,58 +334,9 @@ class Session:
         already past theirs, every decoding sequence takes a token each step or, with ``speculative``
         (default: when the artifact has a draft), a speculative round; the text is the same. The
         sequences are added and released here."""
-        from pipeline.runtime import schedule
+        from pipeline.runtime.generate import generate
 
-        speculative = bool(self.speculation) if speculative is None else speculative
-        if speculative and not self.speculation:
-            raise SessionError(f"{self.artifact_dir} has no draft: build with draft=dflash to generate speculatively")
-        for seq_id, text in prompts.items():
-            if not isinstance(text, str) or not text:
-                raise SessionError(f"sequence {seq_id!r}: a prompt must be a non-empty str, got {text!r}")
-        if live := [repr(s) for s in prompts if s in self.seqs]:
-            raise SessionError(f"sequences {', '.join(live)} are already live; generate adds its own")
-        free = self.max_seqs - len(self.seqs)
-        if len(prompts) > free:
-            raise SessionError(f"{len(prompts)} prompts, but only {free} of the artifact's "
-                               f"max_seqs={self.max_seqs} columns are free")
-        eos = self.tokenizer.eos_token_id if stop_at_eos else None
-        slots = [schedule.Slot(seq_id, self.tokenizer(text).input_ids) for seq_id, text in prompts.items()]
-        budget = schedule.Budget(self.max_step_tokens, free, speculative=speculative,  # all fit: all join at once
-                                 prefix_cache=self.prefix_cache is not None)
-        by_id = {slot.id: slot for slot in slots}
-        out: dict[object, list[int]] = {seq_id: [] for seq_id in prompts}
-
-        def give(seq_id, tokens: list[int]) -> None:  # keep them up to the end; a slot that ended is done
-            by_id[seq_id].next_token = tokens[-1]
-            for token in tokens:
-                if len(out[seq_id]) < max_new_tokens:
-                    out[seq_id].append(token)
-                if len(out[seq_id]) >= max_new_tokens or token == eos:
-                    by_id[seq_id].finish()
-                    return
-
-        try:
-            while slots:
-                plan = schedule.plan(slots, budget)
-                for slot in plan.released:
-                    self.release(slot.id)
-                    slots.remove(slot)
-                for slot in plan.admitted:
-                    plan.admit(slot, self.add(slot.id, plan.prefixes.get(slot.id, ())))
-                if plan.feeds:
-                    logits = self.step(plan.feeds)
-                    for seq_id, toks in plan.feeds.items():
-                        if by_id[seq_id].took(len(toks)):
-                            give(seq_id, [int(logits[seq_id].argmax())])
-                if plan.speculate:
-                    for seq_id, result in self.speculate(plan.speculate).items():
-                        give(seq_id, result.tokens)
-        finally:
-            for seq_id in prompts:
-                if seq_id in self.seqs:
-                    self.release(seq_id)
-        return {seq_id: self.tokenizer.decode(ids, skip_special_tokens=True) for seq_id, ids in out.items()}
-
+        return generate(self, prompts, max_new_tokens, stop_at_eos, speculative)
 
 @dataclass
 class _Runner:
