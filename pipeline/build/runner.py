@@ -269,7 +269,15 @@ def _summary(version: Path, record: dict) -> None:
             print(f"  {name}: {info['bytes'] / 1e6:.2f} MB")
     if "validation_passed" in record:
         report = json.loads((version / "validation.json").read_text())
-        print(f"  validation: {'PASSED' if report['passed'] else 'FAILED'} "
-              f"(max relative error {report['max_relative_error']:.2e}, tolerance {report['tolerance']:.2g})")
+        verdict = "PASSED" if report["passed"] else "FAILED"
+        if "quant" in report:  # the quantized measures by name (quant.exactness, quant.quality)
+            exact, q = report["quant"]["exactness"]["pte_vs_oracle"], report["quant"]["quality"]
+            print(f"  validation: {verdict} (against the quantized eager model: median relative error "
+                  f"{exact['median']:.2e}, p90 {exact['p90']:.2e}; against the unquantized model on the fixed text: mean "
+                  f"KLD {q['mean_kld']:.4f}, p99 {q['p99_kld']:.3f}, top-1 {q['top1_agreement']:.1%}, perplexity ratio "
+                  f"{q['ppl_ratio']:.3f})")
+        else:
+            print(f"  validation: {verdict} (max relative error {report['max_relative_error']:.2e}, "
+                  f"tolerance {report['tolerance']:.2g})")
     else:
         print("  validation: not run (no validate stage)")

@@ -67,11 +67,14 @@ class _Quantized(Scheme):
 
     def check(self, quant_cfg, args, model_cfg, backend, quantizing, draft_name, validate_cfg):
         scheme = quant_cfg.scheme
-        for name in ("quant_tolerance", "max_logit_error"):
+        for name in ("quant_tolerance", "max_mean_kld", "max_p99_kld", "max_ppl_ratio", "noise_margin"):
             if not validate_cfg[name] > 0:
                 raise ConfigError(f"validate.{name}={validate_cfg[name]} must be positive")
-        if not 0 <= validate_cfg.min_token_agreement <= 1:
-            raise ConfigError(f"validate.min_token_agreement={validate_cfg.min_token_agreement} must be a fraction in [0, 1]")
+        for name in ("noise_copies", "quality_tokens"):
+            if not validate_cfg[name] >= (1 if name == "noise_copies" else 2):
+                raise ConfigError(f"validate.{name}={validate_cfg[name]} must be at least {1 if name == 'noise_copies' else 2}")
+        if not 0 <= validate_cfg.min_top1_agreement <= 1:
+            raise ConfigError(f"validate.min_top1_agreement={validate_cfg.min_top1_agreement} must be a fraction in [0, 1]")
         if not backend.quantized_kernels:
             raise ConfigError(f"quant.scheme={scheme} needs backend={' or backend='.join(quantizing)} (its quantized "
                               f"kernels run the weights); backend={backend.name} runs quant=none only")

@@ -236,8 +236,10 @@ class Session:
 
     # --- steps ---
 
-    def step(self, feeds: dict[object, list[int]]) -> dict[object, torch.Tensor]:
-        """Append ``feeds[seq]`` tokens to each sequence; return each one's next-token logits.
+    def step(self, feeds: dict[object, list[int]], every_row: bool = False) -> dict[object, torch.Tensor]:
+        """Append ``feeds[seq]`` tokens to each sequence; return each one's next-token logits
+        (``every_row``: the logits after each of its tokens, ``[tokens, vocab]``; the program gives at
+        most ``max_seqs`` rows a step: teacher-forced scoring, ``validation/quality.py``).
 
         Transactional: everything is checked before anything changes, and the session's state
         (lengths, columns, cells) is committed only after the program ran. A refused or failed
@@ -257,14 +259,20 @@ class Session:
             if limit is not None and end > limit:
                 raise SessionError(f"sequence {seq_id!r} would reach {end} tokens, past the flat layers' capacity of "
                                    f"{self.max_length}; release it or build with a larger kv.capacity")
+        if every_row and n_tokens > self.max_seqs:
+            raise SessionError(f"a step returning every row's logits takes at most max_seqs={self.max_seqs} tokens "
+                               f"(the program's logit rows), got {n_tokens}")
         cells = self.pool.choose(n_tokens)  # the cells the step will write (cell layout): chosen, not taken
-        last_rows = list(_cumulative_last([len(toks) for *_, toks in order]))
+        last_rows = list(range(n_tokens)) if every_row else list(_cumulative_last([len(toks) for *_, toks in order]))
         logits, features = self.run_target(order, last_rows, cells)
         self.models[TARGET].commit([(seq, len(toks)) for _, seq, toks in order], cells)
         for seq_id, _, toks in order:
             self.committed(seq_id, toks)
         if self.speculation:
             self.speculation.keep_features([(seq_id, len(toks), len(toks)) for seq_id, _, toks in order], features)
+        if every_row:  # each sequence's tokens are consecutive rows
+            ends = list(_cumulative_last([len(toks) for *_, toks in order]))
+            return {seq_id: logits[last + 1 - len(toks): last + 1].clone() for (seq_id, _, toks), last in zip(order, ends, strict=True)}
         return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
 
     def run_target(self, order: list[tuple[object, SeqState, list[int]]], logit_rows: list[int],

@@ -21,8 +21,10 @@ from test_loaders import write_llama_gguf
 
 # tiny_flat with a feed-forward width that is a multiple of 32 (XNNPACK's 4-bit groups)
 QUANT_MODEL = ("model=tiny_flat", "model.hidden_dim=192")
-# the bounds a shallow model holds (measured here: 3.2e-3 and 5.1e-3); the presets bound deep models
-SCHEMES = {"int8": ("quant=int8", "validate.quant_tolerance=1e-2"), "int4": ("quant=int4", "validate.quant_tolerance=2e-2")}
+SCHEMES = {"int8": ("quant=int8",), "int4": ("quant=int4",)}
+# the max error a shallow model's .pte shows against its quantized oracle on one prompt (measured here:
+# 3.2e-3 and 5.1e-3); a deep one's is the activation rounding's noise (validate holds its distribution)
+SHALLOW_BOUND = {"int8": 1e-2, "int4": 2e-2}
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -47,8 +49,9 @@ def quantized_build(build_dir):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, scheme):
     """The .pte (XNNPACK's quantized kernels) against the eager model quantized the same way (torchao's
-    reference), on a fresh prompt: within validate.quant_tolerance, while the unquantized model is further away
-    than that bound (so the bound tells the two apart), and the build's validation agrees."""
+    reference), on a fresh prompt: within a shallow model's bound, while the unquantized model is further away
+    than that bound (so the bound tells the two apart), and the build's validation agrees: its errors'
+    median and p90 within its noise floor's, the quality measured on seeded tokens within the scheme's bounds."""
     from pipeline.runtime.session import Session
 
     version, cfg = quantized_build(scheme)
@@ -60,16 +63,21 @@ def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, sche
     session.add("a")
     got = session.step({"a": prompt})["a"]
     error = _relative(got, _eager_logits(eager, prompt))
-    assert error <= cfg.validate.quant_tolerance, (scheme, error)
+    assert error <= SHALLOW_BOUND[scheme], (scheme, error)
     if scheme == "int4":  # 4-bit weights move the logits far more than the bound
-        assert _relative(got, _eager_logits(float_model, prompt)) > cfg.validate.quant_tolerance
+        assert _relative(got, _eager_logits(float_model, prompt)) > SHALLOW_BOUND[scheme]
 
     validation = json.loads((version / "validation.json").read_text())
-    assert validation["passed"] and validation["tolerance"] == cfg.validate.quant_tolerance
+    assert validation["passed"] and validation["tolerance"] is None
     q = validation["quant"]
     assert q["greedy_agreement_with_oracle"] >= 0.9  # greedy tokens are the quantized eager model's, but for near ties
-    assert 0 < q["against_unquantized"]["max_relative_error"] <= cfg.validate.max_logit_error
-    assert q["against_unquantized"]["token_agreement"] >= cfg.validate.min_token_agreement
+    exact = q["exactness"]
+    assert all(exact["pte_vs_oracle"][k] <= exact["bounds"][k] for k in ("median", "p90"))
+    assert exact["oracle_vs_perturbed_oracle"]["count"] == cfg.validate.noise_copies * exact["pte_vs_oracle"]["count"]
+    quality = q["quality"]
+    assert "seeded random tokens" in quality["text"] and quality["tokens_scored"] > 0.9 * cfg.validate.quality_tokens
+    assert 0 < quality["mean_kld"] <= cfg.validate.max_mean_kld and quality["top1_agreement"] >= cfg.validate.min_top1_agreement
+    assert 0 < q["episode_against_unquantized"]["max_relative_error"]
 
     # a fresh process serves it (the quantized embedding's kernels register when the session loads)
     code = ("import sys; from pipeline.runtime.session import Session; s = Session(sys.argv[1]); s.add('a'); "
@@ -355,13 +363,13 @@ def test_quantized_target_with_a_draft(quantized_draft):
 
     cfg = compose_config(*QUANT_DRAFT)
     validation = json.loads((quantized_draft / "validation.json").read_text())
-    assert validation["passed"] and validation["tolerance"] == cfg.validate.quant_tolerance
+    assert validation["passed"] and validation["tolerance"] is None
     spec, q = validation["speculative"], validation["quant"]
     assert spec["follows_target_greedy"] and spec["rounds_off_target_greedy"] == {}
     assert 0 < spec["draft_max_relative_error"] <= cfg.validate.quant_tolerance
     assert validation["scenario"]["speculative_rounds"] > 10
     assert q["greedy_agreement_with_oracle"] >= 0.9
-    assert q["against_unquantized"]["token_agreement"] >= cfg.validate.min_token_agreement
+    assert q["quality"]["top1_agreement"] >= cfg.validate.min_top1_agreement
     report = json.loads((quantized_draft / "manifest.json").read_text())["quant"]
     assert report["scheme"] == "int4" and len(report["tensors"]) == 2 * 7 + 2  # the target's, as without a draft
     assert set(report["draft"]["tensors"]) == {"fc"} | {f"layers.0.{n}" for n in (
