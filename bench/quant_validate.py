@@ -10,6 +10,7 @@ writes the "quant_validate" section of docs/benchmarks.md."""
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -41,11 +42,10 @@ def main() -> None:
             start = time.perf_counter()
             proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
             seconds = time.perf_counter() - start
-            # the newest version, or the newest failed build (kept under .failed/) when validation failed
-            exp = REPO / args.output_root / name
-            done = [d for d in (*exp.glob("v*"), *exp.glob(".failed/*")) if (d / "validation.json").exists()]
-            newest = max(done, key=lambda d: (d / "validation.json").stat().st_mtime, default=None)
-            if newest is None or (d := newest / "validation.json").stat().st_mtime < time.time() - seconds:
+            # the version it built (or reused), or where a failed build's outputs were kept
+            where = re.search(r"^built (\S+) in |partial outputs kept for inspection in (\S+) ", proc.stdout, re.M)
+            d = REPO / (where.group(1) or where.group(2)) / "validation.json" if where else None
+            if d is None or not d.exists():
                 sys.exit(f"{' '.join(command)} wrote no validation:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             report = json.loads(d.read_text())
             q = report["quant"]

@@ -38,6 +38,14 @@ class QuantScheme(enum.StrEnum):
     from_checkpoint = "from_checkpoint"  # a GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (pipeline/quant/gguf.py)
 
 
+class QuantScales(enum.StrEnum):
+    """How int4 chooses each group's scale (torchao's choices; all symmetric, which XNNPACK's qb4w runs)."""
+
+    symmetric = "symmetric"  # max |w| / 7.5: the group's largest value clipped to 7 (torchao's default)
+    no_clipping = "no_clipping"  # max(-min / 8, max / 7): nothing clipped (torchao's SYMMETRIC_NO_CLIPPING_ERR; llama.cpp Q4_0's rule)
+    hqq = "hqq"  # torchao's HQQ scale search (HQQ_SCALE_ONLY)
+
+
 DTYPES = tuple(DType)
 METRICS = tuple(Metric)
 # validate.runtime (backend=cuda) -> how the GPU runs the methods (validation.json says it)
@@ -133,6 +141,8 @@ class QuantConfig:
     # 8-bit groups), so 0 there
     group_size: int = 32
     embedding: bool = True  # the token embedding too (ExecuTorch's quantized embedding kernels)
+    scales: QuantScales = QuantScales.no_clipping  # int4: each group's scale (int8 keeps torchao's symmetric per channel)
+    head_bits: int = 8  # int4: the head (the output projection) in 8 bits per channel, as llama.cpp keeps it; 4: in the groups
     # with a draft (draft=dflash...): its own linears too, in the same scheme (int8 / int4). false: they stay in
     # float; the draft's embedding and head are the target's, quantized with it either way
     draft: bool = False

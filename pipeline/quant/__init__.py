@@ -81,6 +81,14 @@ class _Quantized(Scheme):
         if quant_cfg.draft and draft_name is None:
             raise ConfigError("quant.draft=true with draft=none: there is no draft to quantize; choose a draft "
                               "(draft=dflash) or drop quant.draft")
+        if quant_cfg.head_bits not in (4, 8):
+            raise ConfigError(f"quant.head_bits={quant_cfg.head_bits}: the head is 8-bit per channel (8) or in the "
+                              "4-bit groups (4)")
+        if scheme != "int4" and (quant_cfg.head_bits != 8 or quant_cfg.scales != "no_clipping"):
+            keeps = "keeps the GGUF's blocks" if scheme == "from_checkpoint" else "is 8-bit per channel"
+            raise ConfigError(f"quant.scales={quant_cfg.scales} / quant.head_bits={quant_cfg.head_bits} with "
+                              f"quant={scheme}: they choose int4's group scales and head, and {scheme} {keeps}; leave "
+                              "them at no_clipping / 8")
         if model_cfg.dtype != "float32":
             raise ConfigError(f"quant.scheme={scheme} with model.dtype={model_cfg.dtype}: the quantized kernels compute "
                               "in float32; use model.dtype=float32")
@@ -127,6 +135,10 @@ class _Quantized(Scheme):
     def describe(self, quant_cfg):
         group = quant_cfg.group_size
         how = f"groups of {group}" if group else "per output channel"
+        if self.bits == 4:
+            how += f", {quant_cfg.scales} scales"
+            head = ", the head int8 per channel" if quant_cfg.head_bits == 8 else ""
+            return f"int4 weights ({how}){head}, int8 dynamic activations per token"
         return f"int{self.bits} weights ({how}), int8 dynamic activations per token"
 
     def apply(self, model, quant_cfg, model_cfg):
@@ -246,18 +258,37 @@ def describe(quant_cfg) -> str:
 
 
 def _quantize_linears(model, quant_cfg, bits: int) -> dict[str, str]:
-    """Every ``nn.Linear`` of ``model`` to torchao's 8-bit dynamic activations and ``bits``-bit weights."""
+    """Every ``nn.Linear`` of ``model`` to torchao's 8-bit dynamic activations and ``bits``-bit weights
+    (4 bits: ``quant.scales`` chooses each group's scale; the head, ``output``, in ``quant.head_bits``)."""
     import torch
     from torch import nn
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerAxis, PerGroup, quantize_
 
     group = 0 if bits == 8 else quant_cfg.group_size
+    head8 = bits == 4 and quant_cfg.head_bits == 8
     quantize_(model, Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=PerGroup(group) if group else PerAxis(0)),
-        filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+        weight_dtype=getattr(torch, f"int{bits}"), weight_granularity=PerGroup(group) if group else PerAxis(0),
+        **(_scales(quant_cfg.scales) if bits == 4 else {})),
+        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and not (head8 and fqn == "output"))
+    if head8 and isinstance(getattr(model, "output", None), nn.Linear):
+        quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
+                  filter_fn=lambda m, fqn: fqn == "output")
     how = f"int{bits} g{group}" if group else f"int{bits} per channel"
-    how += ", bf16 scales" if bits == 4 else ""
-    return {name: f"{how} (8da{bits}w)" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    how += f", {quant_cfg.scales} scales as bf16" if bits == 4 else ""
+    formats = {name: f"{how} (8da{bits}w)" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if head8 and "output" in formats:
+        formats["output"] = "int8 per channel (8da8w; quant.head_bits=8)"
+    return formats
+
+
+def _scales(choice: str) -> dict:
+    """``quant.scales`` as torchao's arguments."""
+    from torchao.quantization.quant_primitives import MappingType
+    from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import IntxChooseQParamsAlgorithm
+
+    return {"symmetric": {"weight_mapping_type": MappingType.SYMMETRIC},
+            "no_clipping": {"weight_mapping_type": MappingType.SYMMETRIC_NO_CLIPPING_ERR},
+            "hqq": {"intx_choose_qparams_algorithm": IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY}}[str(choice)]
 
 
 def _quantize_float(model, quant_cfg, bits: int) -> dict[str, str]:

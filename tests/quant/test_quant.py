@@ -91,6 +91,9 @@ def test_scheme_artifact_matches_the_quantized_eager_model(quantized_build, sche
     assert record["scheme"] == scheme and record["group_size"] == cfg.quant.group_size
     # every linear (the 2 layers' 7, the untied head) and the embedding
     assert len(record["tensors"]) == 2 * 7 + 2 and "tok_embeddings" in record["tensors"]
+    if scheme == "int4":  # the head in 8 bits per channel (quant.head_bits), the rest in the groups
+        assert record["tensors"]["output"]["format"] == "int8 per channel (8da8w; quant.head_bits=8)"
+        assert record["tensors"]["layers.0.attention.wq"]["format"] == "int4 g32, no_clipping scales as bf16 (8da4w)"
     assert all(t["relative_rms_error"] > 0 for t in record["tensors"].values())
 
 
@@ -375,7 +378,7 @@ def test_quantized_target_with_a_draft(quantized_draft):
     assert set(report["draft"]["tensors"]) == {"fc"} | {f"layers.0.{n}" for n in (
         "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
         "feed_forward.w3")}
-    assert all(t["format"] == "int4 g32, bf16 scales (8da4w)" for t in report["draft"]["tensors"].values())
+    assert all(t["format"] == "int4 g32, no_clipping scales as bf16 (8da4w)" for t in report["draft"]["tensors"].values())
 
     session, n = Session(quantized_draft), 24
     eager, _ = _eager_quantized(cfg)
