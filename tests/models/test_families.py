@@ -185,14 +185,18 @@ def episode(session, hf, gen):
     return worst
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", NAMES)
+# Gemma 3 (tanh-GELU, soft-capping, sliding layers) also in the cell layout on XNNPACK (issue 51)
+CASES = [(name, layout) for name in NAMES for layout in LAYOUTS] + [("gemma3", "cell_xnnpack")]
+
+
+@pytest.mark.parametrize("name,layout", CASES)
 def test_artifact_equals_transformers(checkpoints, tmp_path, name, layout):
     from pipeline.build.runner import build
     from pipeline.runtime.session import Session
 
     directory, hf = checkpoints[name]
-    overrides = [f"+model.checkpoint={directory}", *LAYOUTS[layout], f"output_root={tmp_path}"]
+    options = LAYOUTS["cell"][:-1] + ["backend=xnnpack"] if layout == "cell_xnnpack" else LAYOUTS[layout]
+    overrides = [f"+model.checkpoint={directory}", *options, f"output_root={tmp_path}"]
     version = build(compose_config(*overrides), overrides)
     assert json.loads((version / "validation.json").read_text())["passed"]
     worst = episode(Session(version), hf, torch.Generator().manual_seed(11))
