@@ -20,6 +20,7 @@ quantized to Q4_0; the tied embedding stays Q8_0; the file llama.cpp's own requa
 the same tensors byte for byte, checked once)."""
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -164,7 +165,7 @@ def main() -> None:
                      f"{m['max_kld']:.3f} | {m['top1_agreement']:.3f} | {m['ppl_ratio']:.4f} | {size:.1f} | "
                      f"{'' if speed is None else f'{speed:.1f}'} |")
     print("\n".join(table))
-    command = "python bench/quant_quality.py " + " ".join(sys.argv[1:])
+    command = "python bench/quant_quality.py " + shlex.join(sys.argv[1:])
     title = ("Quantization quality against the unquantized model (CPU)" if args.section == "quant_quality" else
              "Calibration of validate's quality bounds (conf/quant/): SmolLM2 on three texts (CPU)")
     body = (f"## {title}\n\n"

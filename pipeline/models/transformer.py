@@ -77,15 +77,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.qk_norm_weight) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.qk_norm_weight) if args.qk_norm else None
         self.wg = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False) if args.attn_gate else None
+        self.fused = None  # wq, wk, wv as one (models/fuse.py), once quantized
         self.use_rope = args.layer_has_rope(layer_id)
         self.rope_interleaved = args.rope_interleaved
         self.scale = args.attn_scale or default_scale(args.head_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, position: Tensor) -> Tensor:
         _, n_tok, _ = x.shape
-        q = self.wq(x).view(1, n_tok, self.n_heads, self.head_dim)  # [1, T, Hq, D]
-        k = self.wk(x).view(1, n_tok, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(1, n_tok, self.n_kv_heads, self.head_dim)
+        q, k, v = self.fused(x) if self.fused is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q = q.reshape(1, n_tok, self.n_heads, self.head_dim)  # [1, T, Hq, D]
+        k = k.reshape(1, n_tok, self.n_kv_heads, self.head_dim)
+        v = v.reshape(1, n_tok, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # per head, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -108,10 +110,12 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
         self.gelu = args.mlp_act == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
+        self.fused = None  # w1, w3 as one (models/fuse.py), once quantized
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = F.gelu(self.w1(x), approximate="tanh") if self.gelu else F.silu(self.w1(x))
-        return self.w2(gate * self.w3(x))
+        g, u = self.fused(x) if self.fused is not None else (self.w1(x), self.w3(x))
+        gate = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.w2(gate * u)
 
 
 class Block(nn.Module):

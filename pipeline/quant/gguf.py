@@ -87,6 +87,15 @@ class OffsetLinear(nn.Module):
         self.inner.weight = nn.Parameter(int4_weight(q - 8, d), requires_grad=False)
         self.register_buffer("offsets", torch.as_tensor(m + 8 * d, dtype=torch.float32))
 
+    @classmethod
+    def of(cls, inner: nn.Module, offsets: torch.Tensor) -> "OffsetLinear":
+        """An ``OffsetLinear`` of a ready ``inner`` linear and its ``offsets`` (``models/fuse.py``)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.inner = inner
+        module.register_buffer("offsets", offsets)
+        return module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sums = x.unflatten(-1, (-1, BLOCK)).sum(-1)
         return self.inner(x) + F.linear(sums, self.offsets)

@@ -113,7 +113,7 @@ def test_validate_fails_on_a_corrupted_weight(staged, tmp_path):
     """The program was compiled from the true weights; an oracle that disagrees must fail the build."""
     model = copy.deepcopy(staged["export"]["models"][TARGET])
     with torch.no_grad():
-        model.layers[1].attention.wv.weight.add_(1e-2 * torch.randn_like(model.layers[1].attention.wv.weight))
+        model.layers[1].attention.wo.weight.add_(1e-2 * torch.randn_like(model.layers[1].attention.wo.weight))
     for name in ("model.pte", "manifest.json"):
         (tmp_path / name).write_bytes((staged["work"] / name).read_bytes())
     with pytest.raises(validate.ValidationFailed, match="exceeds validate.tolerance"):

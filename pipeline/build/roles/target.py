@@ -72,6 +72,7 @@ class Target(Role):
     def build(self, cfg, part, built, workdir):
         import torch
 
+        from pipeline.models.fuse import fuse_projections
         from pipeline.models.methods import build_target
         from pipeline.quant import scheme
         from pipeline.quant.apply import quantize
@@ -82,6 +83,9 @@ class Target(Role):
         if scheme(cfg.quant.scheme).quantized:
             print(f"  quantized {len(report['tensors'])} tensors: {report['describe']} (max relative rms error "
                   f"{report['max_relative_rms_error']:.2e})", flush=True)
+        fused = fuse_projections(model)  # q/k/v and gate/up as one linear each: the input read (and quantized) once
+        if fused:
+            print(f"  fused {fused} projections (q/k/v, gate/up) into one linear each", flush=True)
         return model, {"tokenizer": tokenizer, "quant": report}
 
     def views(self, part, built):
