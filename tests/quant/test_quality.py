@@ -107,6 +107,7 @@ def test_exactness_fails_an_oracle_that_rounds_wrongly(build_dir, monkeypatch):
     .pte's every-row logits (the quality measure's teacher forcing) equal a step per token's."""
     from pipeline.quant import oracle as quant_oracle
     from pipeline.quant.validation import exactness
+    from pipeline.errors import SessionError
     from pipeline.runtime.session import Session
     from pipeline.validation.episode import noise_floor, plan, run_episode
 
@@ -134,3 +135,6 @@ def test_exactness_fails_an_oracle_that_rounds_wrongly(build_dir, monkeypatch):
     session.add("one")
     single = torch.stack([session.step({"one": [t]})["one"] for t in window])
     assert rows.shape == single.shape and float((rows - single).abs().max()) <= 1e-4 * float(single.abs().max())
+    with pytest.raises(SessionError, match=f"every row's logits takes at most max_seqs={session.max_seqs} tokens"):
+        session.step({"one": window[: session.max_seqs + 1]}, every_row=True)
+    assert session.sequence("one").length == len(window)  # refused before anything changed
