@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_quant import QUANT_MODEL, _gguf_config
 from torch import nn
 
 from conftest import compose_config
@@ -13,7 +14,6 @@ from pipeline.kv.op import ReferenceCache, reference_cache
 from pipeline.models.fuse import Projections, fuse_projections, stacked
 from pipeline.models.methods import build_target
 from pipeline.quant.apply import quantize
-from test_quant import QUANT_MODEL, _gguf_config
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:

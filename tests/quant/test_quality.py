@@ -105,9 +105,9 @@ def test_exactness_fails_an_oracle_that_rounds_wrongly(build_dir, monkeypatch):
     """The tiny int8 artifact's episode against its oracle: within the oracle's own noise floor (the
     errors' median and p90); the same with an oracle whose activations' rounding truncates fails. The
     .pte's every-row logits (the quality measure's teacher forcing) equal a step per token's."""
+    from pipeline.errors import SessionError
     from pipeline.quant import oracle as quant_oracle
     from pipeline.quant.validation import exactness
-    from pipeline.errors import SessionError
     from pipeline.runtime.session import Session
     from pipeline.validation.episode import noise_floor, plan, run_episode
 
