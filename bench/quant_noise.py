@@ -2,7 +2,7 @@
 model against itself with its input embeddings multiplied by ``1 + eps * noise`` (fp32-rounding-sized
 perturbations), on one text prompt. No implementation of the scheme that is not bit-identical to the
 oracle can be held closer than this; validate measures the same floor on each episode
-(``episode.noise_floor``, every quantized linear's input perturbed) and holds the ``.pte`` to it
+(``pipeline.quant.validation.noise_floor``, every quantized linear's input perturbed) and holds the ``.pte`` to it
 (docs/design.md, Weight quantization).
 
     python bench/quant_noise.py                        # SmolLM2 int4 and int8

@@ -17,7 +17,6 @@ each keep only what they commit: rows written past a sequence's kept length are 
 (the next step writes over them before any query sees them; the cell layout frees their cells).
 """
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pipeline.runtime.images import SequenceImages, encoder_input, image_key, lo
 from pipeline.runtime.model_state import ModelState
 from pipeline.runtime.prefix_cache import PrefixCache, Retained
 from pipeline.runtime.speculation import Round, Speculation
+from pipeline.runtime.tokens import token_ids
 
 __all__ = ["ModelState", "Round", "Session", "SessionError"]
 
@@ -263,16 +263,15 @@ class Session:
             raise SessionError(f"a step returning every row's logits takes at most max_seqs={self.max_seqs} tokens "
                                f"(the program's logit rows), got {n_tokens}")
         cells = self.pool.choose(n_tokens)  # the cells the step will write (cell layout): chosen, not taken
-        last_rows = list(range(n_tokens)) if every_row else list(_cumulative_last([len(toks) for *_, toks in order]))
-        logits, features = self.run_target(order, last_rows, cells)
+        ends = list(_cumulative_last([len(toks) for *_, toks in order]))  # each sequence's last row
+        logits, features = self.run_target(order, list(range(n_tokens)) if every_row else ends, cells)
         self.models[TARGET].commit([(seq, len(toks)) for _, seq, toks in order], cells)
         for seq_id, _, toks in order:
             self.committed(seq_id, toks)
         if self.speculation:
             self.speculation.keep_features([(seq_id, len(toks), len(toks)) for seq_id, _, toks in order], features)
         if every_row:  # each sequence's tokens are consecutive rows
-            ends = list(_cumulative_last([len(toks) for *_, toks in order]))
-            return {seq_id: logits[last + 1 - len(toks): last + 1].clone() for (seq_id, _, toks), last in zip(order, ends, strict=True)}
+            return {seq_id: logits[end + 1 - len(toks): end + 1].clone() for (seq_id, _, toks), end in zip(order, ends, strict=True)}
         return {seq_id: logits[i].clone() for i, (seq_id, *_) in enumerate(order)}
 
     def run_target(self, order: list[tuple[object, SeqState, list[int]]], logit_rows: list[int],
@@ -298,22 +297,7 @@ class Session:
 
     def check_tokens(self, seq_id, toks) -> list[int]:
         """The tokens as Python ints in [0, vocab); anything else is refused, naming the sequence."""
-        if isinstance(toks, torch.Tensor):
-            if toks.dtype.is_floating_point or toks.dtype.is_complex or toks.dtype == torch.bool or toks.dim() != 1:
-                raise SessionError(f"sequence {seq_id!r}: tokens must be a 1-d integer tensor, got {toks.dtype} "
-                                   f"of shape {tuple(toks.shape)}")
-            toks = toks.tolist()
-        if isinstance(toks, (str, bytes)) or not hasattr(toks, "__iter__"):
-            raise SessionError(f"sequence {seq_id!r}: tokens must be a list of token ids, got {type(toks).__name__}")
-        toks = list(toks)
-        if not toks:
-            raise SessionError(f"sequence {seq_id!r} is fed no tokens")
-        for i, t in enumerate(toks):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise SessionError(f"sequence {seq_id!r}: token {i} is {t!r} ({type(t).__name__}), not an integer id")
-            if not 0 <= t < self.vocab_size:
-                raise SessionError(f"sequence {seq_id!r}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
-        return [int(t) for t in toks]
+        return token_ids(seq_id, toks, self.vocab_size)
 
     def speculate(self, feeds: dict[object, int], propose=None, policies: dict | None = None) -> dict[object, Round]:
         """One speculative round for each sequence of ``feeds`` (``Speculation.round``); ``policies``:

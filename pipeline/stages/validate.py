@@ -130,8 +130,7 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     failures = [] if passed else [f"max relative logit error {worst:.3e} exceeds {bound}={tolerance}"]
     quant = {}
     if quantized:
-        from pipeline.quant.validation import quant_report
-        from pipeline.validation.episode import noise_floor
+        from pipeline.quant.validation import noise_floor, quant_report
 
         floor = noise_floor(model, scripts, validate_cfg.metric, validate_cfg.noise_copies, validate_cfg.seed)
         quant, quant_failures = quant_report(scripts, floor, quality, quality_failures, quant_cfg, validate_cfg)

@@ -167,49 +167,6 @@ def _oracles_over_sequences(model, scripts: list[Script], metric: str, placehold
         s.step_logits = []
 
 
-def noise_floor(model, scripts: list[Script], metric: str, copies: int, seed: int) -> list[float]:
-    """The quantized oracle against itself: each sequence's oracle rows again with the input of every
-    linear whose activations are quantized perturbed at fp32 rounding's size (each value times
-    ``1 + e``, ``e ~ N(0, 2^-21)``: a few ulps, the size of the differences XNNPACK's float ops show
-    against torch's, within 2e-6 of the largest value in tests/backends/test_elementwise.py), ``copies``
-    times, each row's error against the unperturbed rows. A rounding-sized change flips
-    some of the activations' 8-bit roundings, which a deep model amplifies: this is the size of the
-    difference two exact computations of the same artifact show (docs/design.md, "Weight
-    quantization"). The rows: the episode's own (a step's last token) where the oracle ran once per
-    sequence, else every token after the prompt's last; images are not spliced (the floor is the
-    model's, on the same tokens)."""
-    from pipeline.quant.oracle import DequantizedLinear
-    from pipeline.validation.quality import eager_logits
-
-    gen = torch.Generator().manual_seed(seed)
-    active = [False]
-
-    def perturb(_module, args):
-        if not active[0]:
-            return None
-        x = args[0]
-        return (x * (1 + torch.randn(x.shape, generator=gen, dtype=x.dtype) * 2.0 ** -21), *args[1:])
-
-    hooks = [m.register_forward_pre_hook(perturb) for m in model.modules() if isinstance(m, DequantizedLinear) and m.per_token]
-    errors = []
-    try:
-        for s in scripts:
-            if s.step_rows:
-                toks, rows = s.fed_tokens, s.step_rows
-            else:
-                toks = s.prompt + s.generated[:-1]
-                rows = list(range(len(s.prompt) - 1, len(toks)))
-            clean = eager_logits(model, toks)[rows]
-            active[0] = True
-            for _ in range(copies):
-                errors += [relative_error(g, w, metric) for g, w in zip(eager_logits(model, toks)[rows], clean, strict=True)]
-            active[0] = False
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return errors
-
-
 def _speculative_round(model, draft, rounds: dict, fed: dict, by_id: dict, metric: str, unquantized=None) -> None:
     """Check each sequence's round (``fed``: the token it fed) against the eager models: the draft's
     logits from the eager target's features, the target's logits on the verified block; both caches

@@ -107,9 +107,9 @@ def test_exactness_fails_an_oracle_that_rounds_wrongly(build_dir, monkeypatch):
     .pte's every-row logits (the quality measure's teacher forcing) equal a step per token's."""
     from pipeline.errors import SessionError
     from pipeline.quant import oracle as quant_oracle
-    from pipeline.quant.validation import exactness
+    from pipeline.quant.validation import exactness, noise_floor
     from pipeline.runtime.session import Session
-    from pipeline.validation.episode import noise_floor, plan, run_episode
+    from pipeline.validation.episode import plan, run_episode
 
     overrides = (*QUANT_MODEL, "quant=int8", "validate.decode_steps=16", "experiment_name=q_int8")
     version, cfg = build_dir(*overrides), compose_config(*overrides)
