@@ -273,7 +273,7 @@ def _summary(version: Path, record: dict) -> None:
         if "quant" in report:  # the quantized measures by name (quant.exactness, quant.quality)
             exact, q = report["quant"]["exactness"]["pte_vs_oracle"], report["quant"]["quality"]
             print(f"  validation: {verdict} (against the quantized eager model: median relative error "
-                  f"{exact['median']:.2e}, p90 {exact['p90']:.2e}; against the unquantized model on the fixed text: mean "
+                  f"{exact['median']:.2e}, p90 {exact['p90']:.2e}; against the unquantized model on {q['text']}: mean "
                   f"KLD {q['mean_kld']:.4f}, p99 {q['p99_kld']:.3f}, top-1 {q['top1_agreement']:.1%}, perplexity ratio "
                   f"{q['ppl_ratio']:.3f})")
         else:
