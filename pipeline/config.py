@@ -21,6 +21,16 @@ class DType(enum.StrEnum):
     float16 = "float16"
 
 
+class KVDType(enum.StrEnum):
+    """The KV stores' element type: a float dtype, or int8 with a float32 scale per token and KV head
+    (``pipeline/kv/quantize.py``; CPU backends)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    int8 = "int8"
+
+
 class Metric(enum.StrEnum):
     range = "range"  # max |got - oracle| / oracle logit range
     norm = "norm"  # ||got - oracle|| / ||oracle||
@@ -127,7 +137,7 @@ class KVConfig:
     # widest step (prefill chunk) a method accepts; null: 64 (at most the capacity) for a model with a
     # context of its own, 16 without
     max_step_tokens: int | None = None
-    dtype: DType = DType.float32  # of the KV stores
+    dtype: KVDType = KVDType.float32  # of the KV stores: float32 | bfloat16 | float16 | int8 (per token and head scales)
 
 
 @dataclass

@@ -42,6 +42,8 @@ class Backend:
     # the attention is planned on the device from the step's seq_info (the GPU's Triton kernel), not
     # gathered from the slots the host lists (ATen on CPU): the layouts' step buffers follow it
     planned_attention = False
+    # reads 8-bit KV stores with a scale per token and KV head (kv.dtype=int8: the gathered ATen attention)
+    quantized_kv = True
 
     def attention_kernel(self):
         """The ops lower_kv's store lowering calls (``kv.layouts.AttentionKernel``): the ATen attention
@@ -51,7 +53,7 @@ class Backend:
         import pipeline.kernels.reference  # noqa: F401  (registers the kvcache:: attention ops)
         from pipeline.kv.layouts import AttentionKernel
 
-        return AttentionKernel(gather=torch.ops.kvcache.sdpa_gather.default)
+        return AttentionKernel(gather=torch.ops.kvcache.sdpa_gather.default, gather_q8=torch.ops.kvcache.sdpa_gather_q8.default)
 
     def inlined(self) -> dict:
         """Custom ops the backend has no kernel for -> their ATen bodies (run_decompositions table)."""
@@ -122,6 +124,11 @@ def names() -> list[str]:
 def quantizing() -> list[str]:
     """The backends that run quantized weights."""
     return [name for name in names() if backend(name).quantized_kernels]
+
+
+def quantized_kv_backends() -> list[str]:
+    """The backends that run an 8-bit KV cache (kv.dtype=int8)."""
+    return [name for name in names() if backend(name).quantized_kv]
 
 
 def backend(name: str) -> Backend:

@@ -23,6 +23,7 @@ class Cuda(Backend):
     reinplace_stores = False  # the store writes run inside the AOTI delegate
     one_retrace = False  # ExecuTorch's to_edge_transform_and_lower: the one-retrace path is not measured on a GPU
     planned_attention = True
+    quantized_kv = False  # the Triton attention reads float stores
 
     def attention_kernel(self):
         import torch

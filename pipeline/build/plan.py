@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.backends import Backend, backend, quantizing
+from pipeline.backends import Backend, backend, quantized_kv_backends, quantizing
 from pipeline.build.context import Context
 from pipeline.build.roles import DRAFT, EXPORT_WIDTH, ROLES, TARGET, MethodSpec, Role
 from pipeline.errors import ConfigError
@@ -98,6 +98,9 @@ def resolve(cfg: DictConfig) -> BuildPlan:
     names = {s.name for s in stages}
     family(cfg.model.family)
     chosen = backend(cfg.backend.name)  # model.dtype, kv.dtype, validate.metric and .runtime: the schema's enums
+    if cfg.kv.dtype == "int8" and not chosen.quantized_kv:
+        raise ConfigError(f"kv.dtype=int8: backend={chosen.name} has no 8-bit KV cache (its attention reads float stores); "
+                          f"choose kv.dtype=float32, bfloat16 or float16, or backend={' or '.join(quantized_kv_backends())}")
     if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
 
@@ -175,7 +178,9 @@ def _layouts(cfg: DictConfig, parts: dict, chosen: Backend, capacity: int | None
     for name, part in parts.items():
         rule = part.role.kv_rule(cfg, part, parts)
         if rule is not None:
-            layout = build_layout(kv, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
+            # kv.dtype=int8 quantizes the target's stores; a draft's (its context features' keys) stay float32
+            own = kv if name == TARGET or kv.dtype != "int8" else OmegaConf.merge(kv, {"dtype": "float32"})
+            layout = build_layout(own, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
             out[name] = dataclasses.replace(layout, planned=chosen.planned_attention)  # the backend's step buffers
     return out
 

@@ -121,10 +121,30 @@ def _column_visibility(q_pos: Tensor, q_cols: Tensor, seq_info: Tensor, columns:
     return _window_causal(visible, key_pos, q_pos.float(), causal, window)
 
 
+def _gathered(store: Tensor, slots: Tensor, n_batch: int, n_keys: int, order: list[int], shape: list[int]) -> Tensor:
+    # the listed slots of a store, [B, N, Hkv, D] permuted to ``order`` and reshaped for the bmm: a float
+    # store converted to float32 as gathered, an 8-bit one after the permuting copy (a quarter of the bytes)
+    rows = store.index_select(0, slots)
+    if store.dtype.is_floating_point:
+        rows = _f32(rows)
+    rows = rows.view(n_batch, n_keys, *store.shape[1:]).permute(*order).reshape(shape)
+    return _f32(rows)
+
+
+def _gathered_scales(scales: Tensor, slots: Tensor, n_batch: int, n_keys: int) -> Tensor:
+    # an 8-bit store's scales of the listed slots, [B, N, Hkv] -> [B * Hkv, 1, N]: one per key and KV head
+    n_kv = scales.shape[1]
+    return scales.index_select(0, slots).view(n_batch, n_keys, n_kv).permute(0, 2, 1).reshape(n_batch * n_kv, 1, n_keys)
+
+
 def _attend_group(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_idx: Tensor, key_slots: Tensor,
-                  key_pos: Tensor, scale: float, causal: bool, window: int) -> Tensor:
+                  key_pos: Tensor, scale: float, causal: bool, window: int, k_scale: Tensor | None = None,
+                  v_scale: Tensor | None = None) -> Tensor:
     # B batches of Tq queries, each batch over its own N keys, in one bmm per (batch, KV head).
     # q_idx: [B, Tq] token of each query  key_slots, key_pos: [B, N]  ->  [B * Tq, Hq, Dv]
+    # 8-bit stores (k_scale, v_scale [slots, Hkv]): the key scales multiply the scores, the value scales
+    # the softmax weights (sum_n w_n (s_n v_n) = sum_n (w_n s_n) v_n): G * Tq numbers per key and KV head
+    # instead of D
     n_batch, n_q = q_idx.shape
     n_keys = key_slots.shape[1]
     _, n_heads, d = q.shape
@@ -138,15 +158,19 @@ def _attend_group(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, q_
     qf = _f32(q).index_select(0, flat).view(n_batch, n_q, n_kv, group * d).permute(0, 2, 1, 3).reshape(
         n_batch * n_kv, n_q * group, d)
     slots = key_slots.reshape(-1)
-    kf = _f32(k_store.index_select(0, slots)).view(n_batch, n_keys, n_kv, d).permute(0, 2, 3, 1).reshape(
-        n_batch * n_kv, d, n_keys)
-    vf = _f32(v_store.index_select(0, slots)).view(n_batch, n_keys, n_kv, dv).permute(0, 2, 1, 3).reshape(
-        n_batch * n_kv, n_keys, dv)
-    scores = torch.bmm(qf, kf).view(n_batch, n_kv, n_q * group, n_keys) * scale
+    kf = _gathered(k_store, slots, n_batch, n_keys, [0, 2, 3, 1], [n_batch * n_kv, d, n_keys])
+    vf = _gathered(v_store, slots, n_batch, n_keys, [0, 2, 1, 3], [n_batch * n_kv, n_keys, dv])
+    scores = torch.bmm(qf, kf)
+    if k_scale is not None:
+        scores = scores * _gathered_scales(k_scale, slots, n_batch, n_keys)
+    scores = scores.view(n_batch, n_kv, n_q * group, n_keys) * scale
     # the mask repeated for the G query heads of a KV head: [B, 1, Tq * G, N], a 4-d broadcast
     bias = _hidden_bias(visible).view(n_batch, 1, n_q, 1, n_keys).expand(n_batch, 1, n_q, group, n_keys)
-    weights = torch.softmax(scores + bias.reshape(n_batch, 1, n_q * group, n_keys), dim=-1)
-    out = torch.bmm(weights.view(n_batch * n_kv, n_q * group, n_keys), vf)  # [B * Hkv, Tq * G, Dv]
+    weights = torch.softmax(scores + bias.reshape(n_batch, 1, n_q * group, n_keys), dim=-1).view(
+        n_batch * n_kv, n_q * group, n_keys)
+    if v_scale is not None:
+        weights = weights * _gathered_scales(v_scale, slots, n_batch, n_keys)
+    out = torch.bmm(weights, vf)  # [B * Hkv, Tq * G, Dv]
     out = out.view(n_batch, n_kv, n_q, group * dv).permute(0, 2, 1, 3).reshape(n_batch * n_q, n_heads, dv)
     return out * visible.any(dim=-1).view(n_batch * n_q, 1, 1).to(torch.float32)
 
@@ -161,6 +185,19 @@ def sdpa_gather_reference(
     alone = _attend_group(q, k_store, v_store, q_pos, one[:, 2, :1], one[:, 0], one[:, 1], scale, causal, window)
     shared = _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
                            block[1].reshape(1, -1), scale, causal, window)
+    return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
+
+
+def sdpa_gather_q8_reference(
+    q: Tensor, k_store: Tensor, k_scale: Tensor, v_store: Tensor, v_scale: Tensor, q_pos: Tensor, one: Tensor,
+    block_q: Tensor, block: Tensor, out_rows: Tensor, scale: float, causal: bool, window: int,
+) -> Tensor:
+    """``sdpa_gather`` over 8-bit stores (``kv.dtype=int8``): a key or value is its store's integers
+    times its slot's scale for its KV head (``k_scale``, ``v_scale``: [slots, Hkv] float32)."""
+    alone = _attend_group(q, k_store, v_store, q_pos, one[:, 2, :1], one[:, 0], one[:, 1], scale, causal, window,
+                          k_scale, v_scale)
+    shared = _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
+                           block[1].reshape(1, -1), scale, causal, window, k_scale, v_scale)
     return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
 
 
@@ -226,10 +263,25 @@ def _(q, k_store, v_store, q_pos, one, block_q, block, out_rows, scale, causal, 
     return q.new_empty(out_rows.shape[0], q.shape[1], v_store.shape[-1])
 
 
+@torch.library.custom_op("kvcache::sdpa_gather_q8", mutates_args=())
+def sdpa_gather_q8(
+    q: Tensor, k_store: Tensor, k_scale: Tensor, v_store: Tensor, v_scale: Tensor, q_pos: Tensor, one: Tensor,
+    block_q: Tensor, block: Tensor, out_rows: Tensor, scale: float, causal: bool, window: int,
+) -> Tensor:
+    return sdpa_gather_q8_reference(q, k_store, k_scale, v_store, v_scale, q_pos, one, block_q, block, out_rows, scale,
+                                    causal, window)
+
+
+@sdpa_gather_q8.register_fake
+def _(q, k_store, k_scale, v_store, v_scale, q_pos, one, block_q, block, out_rows, scale, causal, window):
+    return q.new_empty(out_rows.shape[0], q.shape[1], v_store.shape[-1])
+
+
 # ExecuTorch CPU backends have no kernel for the custom ops: compile replaces
 # them with their ATen bodies through this table.
 ATEN_DECOMPOSITIONS = {
     torch.ops.kvcache.sdpa_varlen.default: sdpa_varlen_reference,
     torch.ops.kvcache.sdpa_cells.default: sdpa_cells_reference,
     torch.ops.kvcache.sdpa_gather.default: sdpa_gather_reference,
+    torch.ops.kvcache.sdpa_gather_q8.default: sdpa_gather_q8_reference,
 }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipeline.errors import SessionError
 from pipeline.kv.gather import gather_values
-from pipeline.kv.layouts import CELL_OWNER_BITS, DTYPE_BYTES, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer
+from pipeline.kv.layouts import CELL_OWNER_BITS, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class CellLayout(KVLayout):
     def attention_scratch_bytes(self) -> int:
         # the gathered attention's keys at their bounds: a sequence's cells per token attending alone,
         # and once for the block
-        cells = 2 * self.capacity * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        cells = 2 * self.capacity * self.n_kv_heads * self.head_dim * self.gathered_item_bytes
         return 0 if self.planned else (max(self.max_step_tokens, self.max_seqs) + 1) * cells
 
     def constants(self) -> dict[str, int]:
@@ -87,11 +87,11 @@ class CellLayout(KVLayout):
         return step["cell_ids"]
 
     def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel,
-               plans: dict, q_meta, v_meta):
+               plans: dict, q_meta, v_meta, scales: tuple | None = None):
         import torch
 
         if not kernel.planned:  # the cells the session listed: each query's own sequence's
-            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, "cells", scale, layer.window)
+            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, "cells", scale, layer.window, scales)
         # the cells up to the last one owned: the stores' prefix as long as cell_pos
         n_cells = call(torch.ops.aten.sym_size.int, (step["cell_pos"], 0))
         k_store = call(torch.ops.aten.slice.Tensor, (k_store, 0, 0, n_cells))

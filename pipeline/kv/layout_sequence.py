@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from pipeline.kv.gather import gather_values
 from pipeline.kv.layouts import (
-    DTYPE_BYTES,
     AttentionKernel,
     KVLayout,
     LayerStore,
@@ -68,7 +67,7 @@ class SequenceLayout(KVLayout):
     def attention_scratch_bytes(self) -> int:
         # the ATen attention gathers the keys of its two groups at their bounds (the program is planned
         # for them): a column per token attending alone, and one column for the block
-        column = max(2 * layer.rows * self.n_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] for layer in self.layers)
+        column = max(2 * layer.rows * self.n_kv_heads * self.head_dim * self.gathered_item_bytes for layer in self.layers)
         return (max(self.max_step_tokens, self.max_seqs) + 1) * column
 
     def write_slots(self, call, pos, layer: LayerStore, step: dict):
@@ -79,12 +78,12 @@ class SequenceLayout(KVLayout):
         return call(aten.add.Tensor, (slots, step["seq_cols"])) if "seq_cols" in step else slots
 
     def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: AttentionKernel,
-               plans: dict, q_meta, v_meta):
+               plans: dict, q_meta, v_meta, scales: tuple | None = None):
         import torch
 
         aten = torch.ops.aten
         if not kernel.planned:  # the slots the session listed: each query's own sequence's rows
-            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, layer.kind, scale, layer.window)
+            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, layer.kind, scale, layer.window, scales)
         cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
         seq_info = step[f"seq_info_{layer.kind}"]
         if layer.kind not in plans:  # every layer of a kind has the same bounds and shapes: one plan

@@ -23,7 +23,8 @@ from typing import ClassVar
 from pipeline.errors import ConfigError
 
 CELL_OWNER_BITS = 63  # owners are an int64 bitset; the sign bit stays clear
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV store dtypes
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}  # the KV store dtypes
+SCALE_BYTES = {"int8": 4}  # a quantized store's float32 scale per token and KV head (pipeline/kv/quantize.py)
 
 
 class KVConfigError(ConfigError):
@@ -40,6 +41,7 @@ class AttentionKernel:
     gather: object = None
     plan: object = None
     attend: object = None
+    gather_q8: object = None  # ``gather`` over 8-bit stores and their scales (kv.dtype=int8): ``kvcache::sdpa_gather_q8``
 
     @property
     def planned(self) -> bool:
@@ -197,18 +199,41 @@ class KVLayout:
         return buffers
 
     def gather_call(self, call, kernel: "AttentionKernel", q, k_store, v_store, pos, step: dict, kind: str,
-                    scale: float, window: int):
-        """Graph nodes: ``kvcache::sdpa_gather`` over the key set ``kind``'s host-listed slots."""
-        return call(kernel.gather, (q, k_store, v_store, pos, step[f"one_{kind}"], step["block_q"], step[f"block_{kind}"],
-                                    step["out_rows"], scale, self.causal, window))
+                    scale: float, window: int, scales: tuple | None = None):
+        """Graph nodes: ``kvcache::sdpa_gather`` over the key set ``kind``'s host-listed slots (an 8-bit
+        store's, with its ``scales`` (K's, V's): ``kvcache::sdpa_gather_q8``)."""
+        listed = (pos, step[f"one_{kind}"], step["block_q"], step[f"block_{kind}"], step["out_rows"], scale, self.causal, window)
+        if scales is None:
+            return call(kernel.gather, (q, k_store, v_store, *listed))
+        if kernel.gather_q8 is None:
+            raise NotImplementedError("this backend's attention has no 8-bit KV form (kv.dtype=int8)")
+        return call(kernel.gather_q8, (q, k_store, scales[0], v_store, scales[1], *listed))
 
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)
 
+    @property
+    def quantized(self) -> bool:
+        """The stores hold integers and a scale per token and KV head (``kv.dtype=int8``)."""
+        return self.dtype in SCALE_BYTES
+
+    @property
+    def gathered_item_bytes(self) -> int:
+        """Bytes the CPU attention's copies take per stored element: the store's, and a quantized one's
+        float32 conversion besides."""
+        return DTYPE_BYTES[self.dtype] + 4 * self.quantized
+
+    def scale_shape(self, layer: LayerStore) -> tuple[int, int]:
+        """A quantized store's scales: one per slot and KV head."""
+        return (layer.rows * self.columns, self.n_kv_heads)
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token takes in one layer: 2 * Hkv * (D * itemsize + the scale's bytes)."""
+        return 2 * self.n_kv_heads * (self.head_dim * DTYPE_BYTES[self.dtype] + SCALE_BYTES.get(self.dtype, 0))
+
     def kv_bytes_per_layer(self) -> list[int]:
-        """K and V store bytes of each layer: 2 * rows * columns * Hkv * D * itemsize."""
-        item = DTYPE_BYTES[self.dtype]
-        return [2 * layer.rows * self.columns * self.n_kv_heads * self.head_dim * item for layer in self.layers]
+        """K and V store bytes of each layer (their scales' too): rows * columns * ``bytes_per_token``."""
+        return [layer.rows * self.columns * self.bytes_per_token() for layer in self.layers]
 
     # --- what each layout defines ---
 
@@ -244,8 +269,8 @@ class KVLayout:
         raise NotImplementedError
 
     def attend(self, call, q, k_store, v_store, pos, layer: LayerStore, step: dict, scale: float, kernel: AttentionKernel,
-               plans: dict, q_meta, v_meta):
-        """Graph nodes: the layer's attention over its store, [T, Hq, Dv]."""
+               plans: dict, q_meta, v_meta, scales: tuple | None = None):
+        """Graph nodes: the layer's attention over its store, [T, Hq, Dv] (``scales``: an 8-bit store's)."""
         raise NotImplementedError
 
     def pool(self) -> Pool:

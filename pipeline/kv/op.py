@@ -34,9 +34,12 @@ _keys = itertools.count()
 class ReferenceCache:
     """One sequence's contiguous K/V history per layer, grown by concatenation."""
 
-    def __init__(self, layers: list[LayerKV], causal: bool = True):
+    def __init__(self, layers: list[LayerKV], causal: bool = True, rounding=None):
         self.layers = layers
         self.causal = causal
+        # what the artifact's store does to the keys and values it keeps (``kv.quantize.rounding``: an 8-bit
+        # cache's per token and head rounding); None: they are kept as computed
+        self.rounding = rounding
         self.k: list[Tensor | None] = [None] * len(layers)
         self.v: list[Tensor | None] = [None] * len(layers)
         self.pos: list[Tensor | None] = [None] * len(layers)
@@ -57,6 +60,8 @@ class ReferenceCache:
         if k.shape[0] != 1:
             raise ValueError(f"the reference cache holds one sequence: got batch {k.shape[0]}")
         pos = position.reshape(-1)
+        if self.rounding is not None:
+            k, v = self.rounding(k), self.rounding(v)
         if self.k[layer_id] is None:
             self.k[layer_id], self.v[layer_id], self.pos[layer_id] = k, v, pos
         else:

@@ -6,6 +6,8 @@ For every ``kvcache::update_and_attend(q, k, v, position, layer, scale, out_dtyp
             = cell_ids                                      cell layout
     K_l     = index_copy_(K_l, 0, slots, k)                 store: mutable buffer [rows*columns, Hkv, D]
     V_l     = index_copy_(V_l, 0, slots, v)
+    (kv.dtype=int8: K_l, V_l hold k, v rounded per token and KV head (kv/quantize.py), and
+     K_scale_l, V_scale_l [rows*columns, Hkv] their scales; the attention is sdpa_gather_q8)
     out     = sdpa_varlen(q, K_l, V_l, position, seq_cols, seq_info_<kind>, columns, scale, causal, window)
             = sdpa_cells(q, K_l, V_l, position, q_seq_bits, cell_pos, cell_owners, scale, causal, window)
 
@@ -24,6 +26,7 @@ from torch.export import ExportedProgram
 from pipeline.kernels import reference  # noqa: F401  (registers kvcache::sdpa_varlen / sdpa_cells)
 from pipeline.kv.layouts import AttentionKernel, KVLayout
 from pipeline.kv.op import NEUTRAL_OP
+from pipeline.kv.quantize import quantize
 
 STORE_MODULE = "kv_store"  # the default stores' module: buffers kv_store.k_<layer>, kv_store.v_<layer>
 
@@ -96,7 +99,10 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
     (``plan``: ``kvcache::sdpa_varlen_plan``, ``attend``: ``kvcache::sdpa_varlen_attend``):
     one plan per layer kind, shared by its layers. The store index math and the attention call are the
     layout's (``KVLayout.write_slots`` / ``attend``)."""
-    kernel = kernel or AttentionKernel(gather=torch.ops.kvcache.sdpa_gather.default)
+    kernel = kernel or AttentionKernel(gather=torch.ops.kvcache.sdpa_gather.default,
+                                       gather_q8=torch.ops.kvcache.sdpa_gather_q8.default)
+    if layout.quantized and (kernel.planned or kernel.gather_q8 is None):
+        raise LoweringError(f"kv.dtype={layout.dtype}: this backend's attention reads float stores only")
     if kernel.planned != layout.planned:
         raise LoweringError(f"the {'planned' if kernel.planned else 'gathered'} attention kernel cannot lower a layout "
                             f"whose step buffers are for the {'planned' if layout.planned else 'gathered'} one")
@@ -135,6 +141,9 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
         shape = layout.store_shape(layer)
         stores.register_buffer(f"k_{layer_id}", torch.zeros(shape, dtype=layout.torch_dtype))
         stores.register_buffer(f"v_{layer_id}", torch.zeros(shape, dtype=layout.torch_dtype))
+        if layout.quantized:  # a scale per slot and KV head beside the 8-bit K and V
+            stores.register_buffer(f"k_scale_{layer_id}", torch.zeros(layout.scale_shape(layer)))
+            stores.register_buffer(f"v_scale_{layer_id}", torch.zeros(layout.scale_shape(layer)))
 
         with graph.inserting_before(node):
             call = graph.call_function
@@ -152,10 +161,23 @@ def lower_offgraph_kv(ep: ExportedProgram, layout: KVLayout, inputs: MethodInput
                 store_dtype = layout.torch_dtype
                 return x if like.meta["val"].dtype == store_dtype else call(aten._to_copy.default, (x,), {"dtype": store_dtype})
 
-            k_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.k_{layer_id}"), 0, slots, to_store(tokens_first(k), k)))
-            v_store = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.v_{layer_id}"), 0, slots, to_store(tokens_first(v), v)))
+            def store(name, x, like):  # the step's rows written into the store (and their scales); the store
+                if not layout.quantized:
+                    return call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.{name}_{layer_id}"), 0, slots,
+                                                           to_store(tokens_first(x), like))), None
+                rows = tokens_first(x)
+                if like.meta["val"].dtype != torch.float32:
+                    rows = call(aten._to_copy.default, (rows,), {"dtype": torch.float32})
+                ints, scales = quantize(call, rows)  # [T, Hkv, D] int8, [T, Hkv, 1]
+                scales = call(aten.view.default, (scales, [-1, layout.n_kv_heads]))
+                scales = call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.{name}_scale_{layer_id}"), 0, slots, scales))
+                return call(aten.index_copy_.default, (graph.get_attr(f"{prefix}.{name}_{layer_id}"), 0, slots, ints)), scales
+
+            k_store, k_scales = store("k", k, k)
+            v_store, v_scales = store("v", v, v)
             out = layout.attend(call, tokens_first(q), k_store, v_store, pos, layer, step, scale, kernel,
-                                plans_by_kind, q.meta["val"], v.meta["val"])
+                                plans_by_kind, q.meta["val"], v.meta["val"],
+                                (k_scales, v_scales) if layout.quantized else None)
             n_heads, dv = q.meta["val"].shape[1], v.meta["val"].shape[3]
             out = call(aten.view.default, (call(aten.permute.default, (out, [1, 0, 2])), [1, n_heads, -1, dv]))  # [1, Hq, T, Dv]
             if out_dtype != q.meta["val"].dtype:  # the attention ops return q's dtype

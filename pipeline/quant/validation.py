@@ -24,7 +24,7 @@ def _stats(errors: list[float]) -> dict[str, float]:
     return {**{name: float(torch.quantile(t, q)) for name, q in PERCENTILES.items()}, "max": float(t.max()), "count": len(errors)}
 
 
-def noise_floor(model, scripts: list, metric: str, copies: int, seed: int) -> list[float]:
+def noise_floor(model, scripts: list, metric: str, copies: int, seed: int, kv_rounding=None) -> list[float]:
     """The quantized oracle against itself: each sequence's oracle rows again with the input of every
     linear whose activations are quantized perturbed at fp32 rounding's size (each value times
     ``1 + e``, ``e ~ N(0, 2^-21)``: a few ulps, the size of the differences XNNPACK's float ops show
@@ -34,7 +34,8 @@ def noise_floor(model, scripts: list, metric: str, copies: int, seed: int) -> li
     difference two exact computations of the same artifact show (docs/design.md, "Weight
     quantization"). The rows: the episode's own (a step's last token) where the oracle ran once per
     sequence, else every token after the prompt's last; images are not spliced (the floor is the
-    model's, on the same tokens)."""
+    model's, on the same tokens). With an 8-bit KV cache (``kv_rounding``), the oracle's caches round as the
+    store does, and what they round is perturbed the same way."""
     from pipeline.quant.oracle import DequantizedLinear
     from pipeline.validation.episode import relative_error
     from pipeline.validation.quality import eager_logits
@@ -42,11 +43,14 @@ def noise_floor(model, scripts: list, metric: str, copies: int, seed: int) -> li
     gen = torch.Generator().manual_seed(seed)
     active = [False]
 
+    def noisy(x):
+        return x * (1 + torch.randn(x.shape, generator=gen, dtype=x.dtype) * 2.0 ** -21)
+
     def perturb(_module, args):
-        if not active[0]:
-            return None
-        x = args[0]
-        return (x * (1 + torch.randn(x.shape, generator=gen, dtype=x.dtype) * 2.0 ** -21), *args[1:])
+        return (noisy(args[0]), *args[1:]) if active[0] else None
+
+    def rounds(x):  # the KV store's rounding of a perturbed value, once the perturbed copies run
+        return kv_rounding(noisy(x) if active[0] else x)
 
     hooks = [m.register_forward_pre_hook(perturb) for m in model.modules() if isinstance(m, DequantizedLinear) and m.per_token]
     errors = []
@@ -57,10 +61,12 @@ def noise_floor(model, scripts: list, metric: str, copies: int, seed: int) -> li
             else:
                 toks = s.prompt + s.generated[:-1]
                 rows = list(range(len(s.prompt) - 1, len(toks)))
-            clean = eager_logits(model, toks)[rows]
+            cache_rounding = rounds if kv_rounding is not None else None
+            clean = eager_logits(model, toks, cache_rounding)[rows]
             active[0] = True
             for _ in range(copies):
-                errors += [relative_error(g, w, metric) for g, w in zip(eager_logits(model, toks)[rows], clean, strict=True)]
+                errors += [relative_error(g, w, metric)
+                           for g, w in zip(eager_logits(model, toks, cache_rounding)[rows], clean, strict=True)]
             active[0] = False
     finally:
         for hook in hooks:
@@ -83,13 +89,16 @@ def exactness(errors: list[float], floor: list[float], validate_cfg) -> tuple[di
 
 
 def quant_report(scripts: list, floor: list[float], quality: dict, quality_failures: list[str], quant_cfg,
-                 validate_cfg) -> tuple[dict, list[str]]:
+                 validate_cfg, kv_dtype: str = "float32") -> tuple[dict, list[str]]:
     """``validation.json``'s ``quant`` and every bound broken; ``scripts``: the episode's sequences
     (``pipeline.validation.episode.Script``) with their errors against both oracles."""
     exact, failures = exactness([e for s in scripts for e in s.errors], floor, validate_cfg)
     report = {
         "scheme": str(quant_cfg.scheme),
-        "exactness": {"oracle": "the eager target quantized the same way (torchao's reference)", **exact},
+        "kv_dtype": str(kv_dtype),  # int8: the KV cache rounds too (kv/quantize.py), and so do the oracle's caches
+        "exactness": {"oracle": "the eager target quantized the same way (torchao's reference"
+                                + ("; its caches rounded per token and KV head as the 8-bit store)" if kv_dtype == "int8" else ")"),
+                      **exact},
         "quality": quality,
         "greedy_equals_oracle": {s.seq_id: all(s.oracle_agree) for s in scripts},
         # on the same tokens (each step feeds the .pte's token to both): a rate, not a rule

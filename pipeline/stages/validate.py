@@ -27,6 +27,7 @@ import torch
 from pipeline.build.plan import BuildPlan
 from pipeline.build.roles import DRAFT, TARGET, VISION
 from pipeline.errors import BuildError
+from pipeline.kv.quantize import rounding
 from pipeline.runtime.session import Session
 from pipeline.validation.episode import Script, add_images, plan, run_episode
 
@@ -90,9 +91,13 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     validate_cfg, quant_cfg = cfg.validate, cfg.quant
     models = {**inputs["models"], **(inputs.get("vision_models") or {})}
     model, draft, vision = models[TARGET], models.get(DRAFT), models.get(VISION)
-    quantized = build.quant.quantized
+    # lossy: quantized weights (quant != none) or an 8-bit KV cache (kv.dtype=int8), held by exactness against
+    # the eager model that rounds the same way and by quality against the one that rounds nothing
+    weights_quantized = build.quant.quantized
+    kv_rounding = rounding(build.target.layout.dtype)
+    quantized = weights_quantized or kv_rounding is not None
     unquantized = None
-    if quantized:  # the scheme's cost is measured against the model before quantization
+    if weights_quantized:  # the scheme's cost is measured against the model before quantization
         from pipeline.models.methods import build_target
         from pipeline.quant.oracle import with_dequantized_weights
 
@@ -104,6 +109,8 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
         model = copy.deepcopy(model).float()
         draft = copy.deepcopy(draft).float() if draft is not None else None
         vision = copy.deepcopy(vision).float() if vision is not None else None
+    if quantized and unquantized is None:  # the KV cache alone rounds: the same weights over float caches
+        unquantized = model
     with build.backend.session(validate_cfg, inputs, workdir, programs_recipe(build)) as (session, runtime):
         scripts = plan(validate_cfg, session.max_seqs, model.args.vocab_size)
         chat = False
@@ -113,7 +120,8 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
             add_images(scripts, session.vision, session.vocab_size, validate_cfg.seed)
         how = ("speculatively (DFlash draft) " if draft is not None else "") + ("with images " if vision is not None else "")
         print(f"  episode: {len(scripts)} sequences {how}through {session.layout} (max_seqs={session.max_seqs})", flush=True)
-        stats = run_episode(session, model, scripts, cfg.model.causal, validate_cfg.metric, draft, vision, unquantized)
+        stats = run_episode(session, model, scripts, cfg.model.causal, validate_cfg.metric, draft, vision, unquantized,
+                            kv_rounding=kv_rounding)
         if quantized:  # the scheme's cost on the fixed text, through the same session
             from pipeline.validation.quality import quality_report
 
@@ -132,8 +140,9 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     if quantized:
         from pipeline.quant.validation import noise_floor, quant_report
 
-        floor = noise_floor(model, scripts, validate_cfg.metric, validate_cfg.noise_copies, validate_cfg.seed)
-        quant, quant_failures = quant_report(scripts, floor, quality, quality_failures, quant_cfg, validate_cfg)
+        floor = noise_floor(model, scripts, validate_cfg.metric, validate_cfg.noise_copies, validate_cfg.seed, kv_rounding)
+        quant, quant_failures = quant_report(scripts, floor, quality, quality_failures, quant_cfg, validate_cfg,
+                                             build.target.layout.dtype)
         failures += quant_failures
         passed = not failures
     images = {}

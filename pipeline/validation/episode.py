@@ -138,11 +138,12 @@ def _oracle_step(model, s: Script, toks: list[int], start: int, taps: tuple, pla
         return model.logits(hidden)
 
 
-def _oracle_rows(model, s: Script, placeholder: int | None) -> torch.Tensor:
+def _oracle_rows(model, s: Script, placeholder: int | None, kv_rounding=None) -> torch.Tensor:
     """The eager target's logits at the rows ``s.step_rows`` of one forward over every token ``s`` was
-    fed, from position 0, over a cache of its own (the image's eager features in its placeholders)."""
+    fed, from position 0, over a cache of its own (the image's eager features in its placeholders;
+    ``kv_rounding``: the artifact's KV store's, ``ReferenceCache.rounding``)."""
     toks = torch.tensor(s.fed_tokens)
-    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True)), torch.no_grad():
+    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True, rounding=kv_rounding)), torch.no_grad():
         emb = model.embed(toks)
         if s.image_features is not None and len(s.image_features):
             emb = emb.clone()
@@ -151,7 +152,8 @@ def _oracle_rows(model, s: Script, placeholder: int | None) -> torch.Tensor:
         return model.logits(hidden[s.step_rows])
 
 
-def _oracles_over_sequences(model, scripts: list[Script], metric: str, placeholder: int | None, unquantized=None) -> None:
+def _oracles_over_sequences(model, scripts: list[Script], metric: str, placeholder: int | None, unquantized=None,
+                            kv_rounding=None) -> None:
     """Each step's error against the oracle (and the unquantized model): with causal attention a
     step's logits depend only on the tokens before it, so one forward per sequence over everything it
     was fed gives every step's oracle logits; the masks are those of the step-by-step cache (positions,
@@ -159,9 +161,10 @@ def _oracles_over_sequences(model, scripts: list[Script], metric: str, placehold
     print(f"  oracles: one forward over each of the {len(scripts)} sequences", flush=True)
     for s in scripts:
         got = torch.stack(s.step_logits)
-        for oracle, errors, agree in ((model, s.errors, s.oracle_agree), (unquantized, s.float_errors, s.float_agree)):
+        for oracle, errors, agree, rounds in ((model, s.errors, s.oracle_agree, kv_rounding),
+                                              (unquantized, s.float_errors, s.float_agree, None)):
             if oracle is not None:
-                want = _oracle_rows(oracle, s, placeholder)
+                want = _oracle_rows(oracle, s, placeholder, rounds)
                 errors += [relative_error(g, w, metric) for g, w in zip(got, want, strict=True)]
                 agree += (got.argmax(-1) == want.argmax(-1)).tolist()
         s.step_logits = []
@@ -221,6 +224,11 @@ class Oracles:
     draft: object = None
     vision: object = None
     unquantized: object = None
+    kv_rounding: object = None  # the artifact's KV store's rounding (kv.dtype=int8), applied by the model's caches
+
+    def cache(self) -> ReferenceCache:
+        """A sequence's cache for ``model`` (the unquantized model's keep what it computes)."""
+        return ReferenceCache(self.model.args.layer_kv(), causal=self.causal, rounding=self.kv_rounding)
 
     @property
     def taps(self) -> tuple:
@@ -228,18 +236,20 @@ class Oracles:
 
 
 def run_episode(session: Session, model, scripts: list[Script], causal: bool, metric: str = "range",
-                draft=None, vision=None, unquantized=None, stepwise: bool = False) -> dict:
+                draft=None, vision=None, unquantized=None, stepwise: bool = False, kv_rounding=None) -> dict:
     """The continuous-batching episode, on the server's schedule (``runtime/schedule.py``: admission
     with the cells a sequence may take, decodes and prefill chunks sharing steps; with ``draft``, the
     decoding sequences' speculative round beside the step); with ``vision``, image sequences have their
     image encoded once they join; with ``unquantized`` (a quantized artifact), each step is also
     measured against that eager model on the same tokens. The oracles see each sequence alone: step by
     step over its own cache (non-causal, or with a draft), or once it is done, one forward over every
-    token it was fed (``_oracles_over_sequences``; ``stepwise=True``: step by step anyway)."""
+    token it was fed (``_oracles_over_sequences``; ``stepwise=True``: step by step anyway). ``kv_rounding``:
+    what the artifact's KV store does to what it keeps (an 8-bit cache), which ``model``'s caches do too."""
     # causal without a draft: the oracles run after the episode, one forward per sequence; otherwise
     # (a non-causal chunk sees itself whole; a draft needs the target's features each round) step by step
     oracles = Oracles(model, causal, metric, stepwise or draft is not None or not causal,
-                      session.vision["image_token_id"] if session.vision else None, draft, vision, unquantized)
+                      session.vision["image_token_id"] if session.vision else None, draft, vision, unquantized,
+                      kv_rounding)
     block = session.speculation.block_size if draft is not None else 0
     # a released sequence's rows adopted where a prompt begins alike (not with a draft: the eager draft's
     # rows of an adopted prefix are not rebuilt here; tests/runtime/test_speculation.py checks those)
@@ -280,7 +290,7 @@ def run_episode(session: Session, model, scripts: list[Script], causal: bool, me
                     slot.finish()
         progress.update(total - progress.done)
     if not oracles.stepwise:
-        _oracles_over_sequences(model, scripts, metric, oracles.placeholder, unquantized)
+        _oracles_over_sequences(model, scripts, metric, oracles.placeholder, unquantized, kv_rounding)
     return stats
 
 
@@ -291,7 +301,7 @@ def _join(session: Session, oracles: Oracles, s: Script, prefix) -> int:
     prompt tokens adopted."""
     reused = session.add(s.seq_id, prefix)
     if oracles.stepwise:
-        s.cache = ReferenceCache(oracles.model.args.layer_kv(), causal=oracles.causal)
+        s.cache = oracles.cache()
         if oracles.unquantized is not None:
             s.float_cache = ReferenceCache(oracles.model.args.layer_kv(), causal=oracles.causal)
     if oracles.draft is not None:

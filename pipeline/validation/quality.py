@@ -55,10 +55,11 @@ def pte_logits(session, window: list[int]) -> torch.Tensor:
         session.release(seq_id)
 
 
-def eager_logits(model, window: list[int]) -> torch.Tensor:
-    """The eager model's logits after each token of ``window``: one causal forward from position 0."""
+def eager_logits(model, window: list[int], kv_rounding=None) -> torch.Tensor:
+    """The eager model's logits after each token of ``window``: one causal forward from position 0 (its
+    cache rounding what it keeps with ``kv_rounding``: ``ReferenceCache.rounding``)."""
     toks = torch.tensor(window)
-    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True)), torch.no_grad():
+    with reference_cache(ReferenceCache(model.args.layer_kv(), causal=True, rounding=kv_rounding)), torch.no_grad():
         hidden, _ = model.hidden_and_taps(model.embed(toks), torch.arange(len(toks)), ())
         return model.logits(hidden).float()
 

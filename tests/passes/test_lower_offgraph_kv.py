@@ -13,6 +13,7 @@ from conftest import compose_config
 from pipeline.build.plan import plan_of
 from pipeline.build.roles import TARGET, TARGET_STEP
 from pipeline.kv.op import ReferenceCache, reference_cache
+from pipeline.kv.quantize import rounding
 from pipeline.passes.lower_offgraph_kv import count_neutral, lower_offgraph_kv
 from pipeline.stages import export
 
@@ -22,12 +23,17 @@ LAYOUTS = {
     "batched-sequence": ("kv.max_seqs=4",),
     "cell": ("kv=cell", "kv.max_seqs=3"),
 }
+# an 8-bit cache (kv.dtype=int8): both layouts' numbers against an oracle whose caches round the same way
+QUANTIZED = {
+    "batched-sequence-int8": ("kv.max_seqs=4", "kv.dtype=int8"),
+    "cell-int8": ("kv=cell", "kv.max_seqs=3", "kv.dtype=int8"),
+}
 
 
 @pytest.fixture(scope="module")
 def lowered():
     out = {}
-    for name, overrides in LAYOUTS.items():
+    for name, overrides in (LAYOUTS | QUANTIZED).items():
         cfg = compose_config(*overrides)
         plan = plan_of(cfg)
         exported = export.run(plan, {}, None)
@@ -85,14 +91,32 @@ def _oracle_logits(model, tokens, start, cache):
         return model.logits(model.hidden(model.embed(torch.tensor(tokens)), torch.arange(start, start + len(tokens)))[-1:])[0]
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [*LAYOUTS, *QUANTIZED])
 def test_lowered_numbers_equal_oracle(lowered, name):
-    """Two sequences prefilled in one step, then decoded together, against per-sequence eager caches."""
-    model, layout, _, after = lowered[name]
+    """Two sequences prefilled in one step, then decoded together, against per-sequence eager caches
+    (an 8-bit cache's: rounding what they keep as the store does)."""
+    errors = _errors_against_oracle(*lowered[name], rounding(lowered[name][1].dtype))
+    assert max(errors) <= 1e-4, errors
+
+
+def test_int8_store_is_not_the_float_cache(lowered):
+    """The 8-bit store rounds: against an oracle with float caches it is visibly off, so the test above
+    tells the two apart (its oracle's rounding is what makes it pass)."""
+    model, layout, ep, after = lowered["batched-sequence-int8"]
+    stores = {n: b for n, b in after.named_buffers() if n.startswith("kv_store.")}
+    assert {b.dtype for n, b in stores.items() if "scale" not in n} == {torch.int8}
+    assert [tuple(stores[f"kv_store.{kv}_scale_{i}"].shape) for i in range(len(layout.layers)) for kv in "kv"] == [
+        layout.scale_shape(layer) for layer in layout.layers for _ in "kv"]
+    assert min(_errors_against_oracle(model, layout, ep, after, None)) > 1e-4  # every step over the bound above
+
+
+def _errors_against_oracle(model, layout, _ep, after, kv_rounding) -> list[float]:
+    module = after.module()
     module = after.module()
     gen = torch.Generator().manual_seed(1)
     prompts = {0: torch.randint(0, 512, (9,), generator=gen).tolist(), 1: torch.randint(0, 512, (6,), generator=gen).tolist()}
-    caches = {s: ReferenceCache(model.args.layer_kv(), layout.causal) for s in prompts}
+    caches = {s: ReferenceCache(model.args.layer_kv(), layout.causal, rounding=kv_rounding) for s in prompts}
+    errors = []
     lengths = {0: 0, 1: 0}
     cells = iter(range(layout.capacity))
     cell_pos = torch.zeros(layout.capacity, dtype=torch.int64)
@@ -121,7 +145,8 @@ def test_lowered_numbers_equal_oracle(lowered, name):
                      *[step[b.name] for b in layout.step_buffers()])
         for i, (s, toks) in enumerate(feeds.items()):
             want = _oracle_logits(model, toks, lengths[s] - len(toks), caches[s])
-            assert torch.allclose(got[i], want, atol=1e-4 * float(want.max() - want.min()), rtol=0)
+            errors.append(float((got[i] - want).abs().max() / (want.max() - want.min())))
+    return errors
 
 
 def _gathered(layout, feeds: dict, lengths: dict, cell_pos, cell_owners) -> dict:
