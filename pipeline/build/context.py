@@ -53,12 +53,22 @@ class Context:
                     f"(one sequence up to {layout.max_seq_len})")
         else:
             held = f"{layout.max_seq_len} tokens per sequence x {seqs}"
-        out = [f"context: {held}; prompts in steps of up to {self.max_step_tokens} tokens"]
+        out = [f"context: {held}; prompts in steps of up to {self.max_step_tokens} tokens", kv_line(layout)]
         for name, value, source in (("kv.capacity", self.capacity, self.capacity_from),
                                     ("kv.max_step_tokens", self.max_step_tokens, self.step_from)):
             if source != SET:
                 out.append(f"  {name}={value} (null in the config): {source}")
         return out
+
+
+def kv_line(layout) -> str:
+    """The KV stores' bytes: in all, per sequence, per token (every layer's K and V, a quantized store's
+    scales included)."""
+    total = sum(layout.kv_bytes_per_layer())
+    per_token = layout.bytes_per_token() * len(layout.layers)
+    kind = (f"{layout.dtype}, a float32 scale per token and KV head" if layout.quantized else layout.dtype)
+    return (f"KV cache ({kind}): {total / 1e6:.1f} MB, {total / layout.max_seqs / 1e6:.1f} MB a sequence, "
+            f"{per_token / 1e3:.1f} KB a token")
 
 
 def model_context(model_cfg) -> int:

@@ -219,9 +219,9 @@ class KVLayout:
 
     @property
     def gathered_item_bytes(self) -> int:
-        """Bytes the CPU attention's copies take per stored element: the store's, and a quantized one's
-        float32 conversion besides."""
-        return DTYPE_BYTES[self.dtype] + 4 * self.quantized
+        """Bytes the CPU attention's gathered copy takes per stored element: the store's, or for a quantized
+        store its float32 conversion (the 8-bit copies before it are a quarter of that)."""
+        return 4 if self.quantized else DTYPE_BYTES[self.dtype]
 
     def scale_shape(self, layer: LayerStore) -> tuple[int, int]:
         """A quantized store's scales: one per slot and KV head."""

@@ -1,7 +1,7 @@
 """The 8-bit KV cache (``kv.dtype=int8``): each token's key and value vectors stored as 8-bit integers,
 one float32 scale per token and KV head (llama.cpp's ``-ctk q8_0 -ctv q8_0`` keeps one per 32 values).
 
-    scale = max(|x|, over the head's D values) / 127      (at least TINY / 127: an all-zero vector)
+    scale = max(|x|, over the head's D values) * (1/127)  (at least TINY / 127: an all-zero vector)
     q     = clamp(round_half_even(x / scale), -127, 127)   int8, symmetric: no zero point
     x'    = q * scale                                       what attention reads
 
@@ -34,7 +34,8 @@ def quantize(call, x):
 
     aten = torch.ops.aten
     amax = call(aten.amax.default, (call(aten.abs.default, (x,)), [-1], True))
-    scale = call(aten.div.Scalar, (call(aten.clamp_min.default, (amax, TINY)), float(QMAX)))
+    # times 1/127, not divided by 127: XNNPACK divides by a constant as a multiply by its reciprocal
+    scale = call(aten.mul.Scalar, (call(aten.clamp_min.default, (amax, TINY)), 1.0 / QMAX))
     q = call(aten.clamp.default, (call(aten.round.default, (call(aten.div.Tensor, (x, scale)),)), -QMAX, QMAX))
     return call(aten._to_copy.default, (q,), {"dtype": torch.int8}), scale
 

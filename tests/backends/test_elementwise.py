@@ -94,3 +94,25 @@ def test_the_tanh_gelu_delegated_whole_is_not_exact(monkeypatch):
     with torch.no_grad():
         assert error(got, F.gelu(x, approximate="tanh")) > 10 * BOUND  # ~4e-5 of the largest value, 5e-4 absolute
         assert error(got, F.gelu(x)) <= BOUND  # what XNNPACK computed: the exact GELU
+
+
+def _kv_quantized(x):
+    from pipeline.kv.quantize import EAGER, quantize
+
+    q, scale = quantize(EAGER, x)
+    return torch.cat([q.to(torch.float32), scale], -1)
+
+
+@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+def test_kv_quantizer_lowers_to_what_the_oracle_computes(backend_name):
+    """The 8-bit KV store's rounding (kv/quantize.py), as lower_kv writes it into the program, gives the
+    eager oracle's integers and scales exactly: a rounding that differed would make the oracle's cache
+    another cache. Rows of every magnitude, an all-zero one, and values on a rounding tie."""
+    x = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]
+    x[5] = 0
+    x[7, :2] = torch.tensor([127.0, 63.5])  # scale 1: 63.5 rounds half to even (64)
+    with torch.no_grad():
+        want = _kv_quantized(x)
+    got = lower_and_run(backend_name, _kv_quantized, x)
+    assert torch.equal(got, want), f"{(got != want).sum()} of {got.numel()} values differ"
+    assert want[7, 1] == 64 and not want[5, :96].any()
