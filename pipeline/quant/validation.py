@@ -79,7 +79,8 @@ def exactness(errors: list[float], floor: list[float], validate_cfg) -> tuple[di
     got, noise = _stats(errors), _stats(floor)
     bounds = {name: max(validate_cfg.noise_margin * noise[name], validate_cfg.tolerance) for name in PERCENTILES}
     report = {"pte_vs_oracle": got, "oracle_vs_perturbed_oracle": noise,
-              "perturbation": f"each quantized linear's input times 1 + N(0, 2^-21), {validate_cfg.noise_copies} copies",
+              "perturbation": ("each value rounded to 8 bits (a quantized linear's input; an 8-bit KV cache's keys and values) "
+                               f"times 1 + N(0, 2^-21), {validate_cfg.noise_copies} copies"),
               "bounds": bounds, "noise_margin": validate_cfg.noise_margin}
     failures = [f"the {name} relative logit error against the quantized eager model {got[name]:.3e} exceeds "
                 f"{bounds[name]:.3e} (validate.noise_margin={validate_cfg.noise_margin} x the oracle's own {noise[name]:.3e} "

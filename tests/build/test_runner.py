@@ -177,8 +177,12 @@ def planned_stores(pte) -> dict:
     return planned
 
 
+# tests/kv/test_int8.py's build: 8-bit stores and their scales
+INT8 = ("kv=sequence", "kv.max_seqs=3", "kv.dtype=int8", "validate.decode_steps=16", "experiment_name=kv8")
+
+
 def test_kv_bytes_match_planned_stores(build_dir):
-    for overrides in ((), BATCHED, CELL):
+    for overrides in ((), BATCHED, CELL, INT8):
         version = build_dir(*overrides)
         record = json.loads((version / "build.json").read_text())
         planned = planned_stores(version / "model.pte")
@@ -186,7 +190,9 @@ def test_kv_bytes_match_planned_stores(build_dir):
         forward = planned["target_forward_from_embeddings"]
         assert sum(b for b, _, _ in forward.values()) == record["kv_bytes_total"]
         want = record["models"]["target"]["kv_bytes_per_layer"]
-        assert [forward[f"kv_store.k_{i}"][0] + forward[f"kv_store.v_{i}"][0] for i in range(len(want))] == want
+        assert [sum(forward[f"kv_store.{name}_{i}"][0] for name in ("k", "v", "k_scale", "v_scale")
+                    if f"kv_store.{name}_{i}" in forward) for i in range(len(want))] == want
+        assert any("scale" in name for name in forward) == ("kv.dtype=int8" in overrides)
 
 
 def test_bf16_build_records_its_weights(tmp_path):

@@ -93,6 +93,34 @@ def test_quality_bounds_fail_a_planted_scale_fault(smollm2_quantized):
     assert any("validate.max_mean_kld" in b for b in broken), (clean, planted)
 
 
+def _per_layer(x: torch.Tensor) -> torch.Tensor:
+    """An 8-bit KV cache with one scale per layer (for everything a step writes into it), not per token and head."""
+    from pipeline.kv.quantize import QMAX
+
+    scale = x.abs().amax() / QMAX
+    return (x / scale).round().clamp(-QMAX, QMAX) * scale
+
+
+def test_kv_cache_bounds_fail_a_per_layer_scale(smollm2_quantized):
+    """kv.dtype=int8 with float weights, held by quant=none's bounds (conf/quant/none.yaml): on SmolLM2's
+    first 384 tokens of the fixed text, the store's rounding (a scale per token and KV head,
+    kv/quantize.py) keeps within them; a scale per layer breaks them."""
+    from pipeline.kv.quantize import rounding
+
+    _, reference, _, ids = smollm2_quantized
+    bounds = compose_config("kv.dtype=int8").validate  # quant=none: the bounds of the KV cache alone
+    want, targets = quality.eager_logits(reference, ids)[:-1], torch.tensor(ids[1:])
+
+    def measured(kv_rounding):
+        return quality.summarize([quality.compare(quality.eager_logits(reference, ids, kv_rounding)[:-1], want, targets)])
+
+    clean, planted = measured(rounding("int8")), measured(_per_layer)
+    assert quality.held(clean, bounds) == [], clean
+    assert 0 < clean["mean_kld"]  # the oracle's cache rounds
+    broken = quality.held(planted, bounds)
+    assert any("validate.max_mean_kld" in b for b in broken), (clean, planted)
+
+
 def _truncating(x: torch.Tensor) -> torch.Tensor:
     """Per-token asymmetric 8-bit quantization as torchao's, but rounding toward -inf (a wrong rounding mode)."""
     lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
