@@ -40,6 +40,24 @@ def peak_rss_mb(version: Path, ids: list[int]) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def quality_against_float_cache(versions: dict, count: int) -> dict:
+    """(b) with the float32-cache artifact as the reference: both ``.pte`` teacher-forced over the fixed
+    text (``pipeline/validation/quality.py``'s windows and measures)."""
+    import torch
+
+    from pipeline.runtime.session import Session
+    from pipeline.validation import quality
+
+    sessions = {n: Session(v) for n, v in versions.items()}
+    tokens, source = quality.text_tokens(sessions["float32"], count, 0)
+    parts = []
+    for window in quality.windows(tokens, sessions["float32"].max_length):
+        want, got = (quality.pte_logits(sessions[n], window)[:-1] for n in ("float32", "int8"))
+        parts.append(quality.compare(got, want, torch.tensor(window[1:])))
+    return {"text": source, "window": min(sessions["float32"].max_length or quality.WINDOW, quality.WINDOW),
+            **quality.summarize(parts)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("float32", type=Path, help="the artifact with kv.dtype=float32")
@@ -48,6 +66,7 @@ def main() -> int:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quality-tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from pipeline.build.manifest import read
@@ -70,6 +89,11 @@ def main() -> int:
     for n in versions:
         per_token = kv[n]["kv_bytes_total"] / kv[n]["max_seqs"] / kv[n]["capacity"] / 1e3
         lines.append(f"| {n} | {per_seq[n]:.1f} MB ({kv[n]['capacity']} tokens) | {per_token:.1f} KB | {rss[n]} MB |")
+    q = quality_against_float_cache(versions, args.quality_tokens)
+    lines += ["", f"Quality, the int8 artifact against the float32 one ({q['text']}, teacher-forced in windows of "
+              f"{q['window']} as validate measures, the float32 artifact's distribution the reference): mean KLD "
+              f"{q['mean_kld']:.5f}, p99 {q['p99_kld']:.4f}, max {q['max_kld']:.3f}, top-1 agreement "
+              f"{q['top1_agreement']:.2%}, perplexity ratio {q['ppl_ratio']:.4f}."]
     lines += ["", "| context | S | float32 tok/s | int8 tok/s | int8 / float32 |", "|---|---|---|---|---|"]
     for c in args.contexts:
         for s in args.seqs:

@@ -181,7 +181,8 @@ def run(build: BuildPlan, inputs: dict, workdir: Path) -> dict:
     if quantized:
         exact = quant["exactness"]
         got, noise = exact["pte_vs_oracle"], exact["oracle_vs_perturbed_oracle"]
-        print(f"  against the quantized eager model over {stats['steps']} steps: relative error median {got['median']:.2e}, "
+        oracle = "the quantized eager model" + (" (its caches rounding to 8 bits as the store)" if kv_rounding else "")
+        print(f"  against {oracle} over {stats['steps']} steps: relative error median {got['median']:.2e}, "
               f"p90 {got['p90']:.2e}, max {got['max']:.2e}; the oracle against itself perturbed: {noise['median']:.2e}, "
               f"{noise['p90']:.2e}, {noise['max']:.2e} (held: median and p90 within {validate_cfg.noise_margin}x)", flush=True)
     else:
