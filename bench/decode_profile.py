@@ -1,8 +1,8 @@
 """Where a lone decode step's time goes: the target's step method under ExecuTorch's event tracer
-(ETDump), one sequence, a 64-token prompt, then ``--steps`` greedy decodes; each event's median over the
+(ETDump), ``--seqs`` sequences (1) of ``--context`` prompt tokens (64), then ``--steps`` decodes of all of them; each event's median over the
 decodes, summed by name (XNNPACK's ops inside the delegate calls, the portable kernels, the calls).
 
-    python bench/decode_profile.py ARTIFACT [--steps 30] [--top 25]
+    python bench/decode_profile.py ARTIFACT [--steps 30] [--top 25] [--seqs 8 --context 1000]
 
 Prints a table (ms per decode step, calls per step); the numbers include the tracer's own overhead
 (Method::execute ~1 ms above the untraced step)."""
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--seqs", type=int, default=1, help="sequences decoding together")
+    parser.add_argument("--context", type=int, default=64, help="each sequence's prompt tokens before the decodes")
     args = parser.parse_args(argv)
     from executorch.devtools import Inspector
     from executorch.extension.pybindings import portable_lib
@@ -42,12 +44,16 @@ def main(argv: list[str] | None = None) -> int:
             return traced.run_method(STEP, tuple(inputs))
 
     session.method = lambda name: Traced() if name == STEP else method(name)
-    prompt = torch.randint(0, session.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-    session.add("a")
-    session.step({"a": prompt})
-    token = 1
+    prompt = torch.randint(0, session.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    width = session.max_step_tokens
+    prefills = 0
+    for i in range(args.seqs):
+        session.add(i)
+        for start in range(0, len(prompt), width):
+            session.step({i: prompt[start: start + width]})
+            prefills += 1
     for _ in range(args.steps):
-        token = int(session.step({"a": [token]})["a"].argmax())
+        session.step({i: [1] for i in range(args.seqs)})
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/etdump.etdp"
         traced.write_etdump_result_to_file(path, f"{tmp}/debug.bin")
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if block.name != "Execute":
             continue
         for event in block.events:
-            raw = event.perf_data.raw[1:] if event.perf_data is not None else []  # the prefill's call left out
+            raw = event.perf_data.raw[prefills:] if event.perf_data is not None else []  # the prefills' calls left out
             if raw:
                 total[event.name] += statistics.median(raw)
                 calls[event.name] += 1
