@@ -7,7 +7,8 @@ The two artifacts differ only in ``kv.dtype``. For each context and S (1 and 8 s
 holding the context), ``--steps`` decode steps of all of them (``smollm2_decode.ours``), the two
 artifacts in turn, ``--runs`` times: medians, and the int8 / float32 ratio from the same runs. Memory:
 the KV stores' bytes per sequence (the manifest's), and the peak resident memory of a process that
-loads the artifact and fills every sequence to the longest context (a child process per artifact).
+loads the artifact and fills every sequence to the longest context (a child process per artifact:
+after loading, after filling, and its peak).
 Writes the "kv_int8" section of docs/benchmarks.md (``--out`` another file)."""
 
 import argparse
@@ -25,19 +26,26 @@ from smollm2_decode import TEXT, ours
 FILL = """
 import resource, sys
 from pipeline.runtime.session import Session
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20
 s = Session(sys.argv[1]); ids = [int(t) for t in sys.argv[2].split(",")]
+loaded = rss()
 for i in range(s.max_seqs):
     s.add(i)
     for start in range(0, len(ids), s.max_step_tokens):
         s.step({i: ids[start: start + s.max_step_tokens]})
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+s.step({i: [ids[0]] for i in range(s.max_seqs)})
+print(loaded, rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """
 
 
-def peak_rss_mb(version: Path, ids: list[int]) -> int:
+def rss_mb(version: Path, ids: list[int]) -> tuple[int, int, int]:
+    """Resident memory of a process that loads ``version`` (MB), then once every sequence holds ``ids`` and
+    decoded a token, and its peak."""
     out = subprocess.run([sys.executable, "-c", FILL, str(version), ",".join(map(str, ids))], capture_output=True,
                          text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    loaded, filled, peak = map(int, out.stdout.strip().splitlines()[-1].split())
+    return loaded, filled, peak
 
 
 def quality_against_float_cache(versions: dict, count: int) -> dict:
@@ -83,12 +91,13 @@ def main() -> int:
              f"sequence holds the context, then {args.steps} decode steps of all of them; the two artifacts in turn, "
              f"medians of {args.runs} runs.", ""]
     per_seq = {n: kv[n]["kv_bytes_total"] / kv[n]["max_seqs"] / 1e6 for n in versions}
-    rss = {n: peak_rss_mb(v, ids[: max(args.contexts)]) for n, v in versions.items()}
-    lines += ["| KV cache | KV stores per sequence | per token | peak RSS, every sequence at "
-              f"{max(args.contexts)} tokens |", "|---|---|---|---|"]
+    rss = {n: rss_mb(v, ids[: max(args.contexts)]) for n, v in versions.items()}
+    lines += ["| KV cache | KV stores per sequence | per token | RSS loaded | RSS, every sequence at "
+              f"{max(args.contexts)} tokens | peak RSS |", "|---|---|---|---|---|---|"]
     for n in versions:
         per_token = kv[n]["kv_bytes_total"] / kv[n]["max_seqs"] / kv[n]["capacity"] / 1e3
-        lines.append(f"| {n} | {per_seq[n]:.1f} MB ({kv[n]['capacity']} tokens) | {per_token:.1f} KB | {rss[n]} MB |")
+        lines.append(f"| {n} | {per_seq[n]:.1f} MB ({kv[n]['capacity']} tokens) | {per_token:.1f} KB | {rss[n][0]} MB | "
+                     f"{rss[n][1]} MB | {rss[n][2]} MB |")
     q = quality_against_float_cache(versions, args.quality_tokens)
     lines += ["", f"Quality, the int8 artifact against the float32 one ({q['text']}, teacher-forced in windows of "
               f"{q['window']} as validate measures, the float32 artifact's distribution the reference): mean KLD "
