@@ -43,7 +43,8 @@ class Context:
     step_from: str = SET
 
     def lines(self, layout) -> list[str]:
-        """What each sequence gets (``layout``: the target's), then, where a value was derived, why."""
+        """What each sequence gets (``layout``: the target's), then, where a value was derived, why, and the
+        KV cache's bytes."""
         seqs = f"kv.max_seqs={layout.max_seqs}"
         if layout.max_seq_len is None:  # ring layers only: a sequence keeps its last window, without end
             window = max(layer.window for layer in layout.layers)
@@ -53,12 +54,12 @@ class Context:
                     f"(one sequence up to {layout.max_seq_len})")
         else:
             held = f"{layout.max_seq_len} tokens per sequence x {seqs}"
-        out = [f"context: {held}; prompts in steps of up to {self.max_step_tokens} tokens", kv_line(layout)]
+        out = [f"context: {held}; prompts in steps of up to {self.max_step_tokens} tokens"]
         for name, value, source in (("kv.capacity", self.capacity, self.capacity_from),
                                     ("kv.max_step_tokens", self.max_step_tokens, self.step_from)):
             if source != SET:
                 out.append(f"  {name}={value} (null in the config): {source}")
-        return out
+        return out + [kv_line(layout)]
 
 
 def kv_line(layout) -> str:

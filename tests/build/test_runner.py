@@ -75,10 +75,11 @@ def test_the_summary_says_the_context(tmp_path, capsys):
     version = build(compose_config(f"output_root={tmp_path}", "stages=[export]", "kv.max_seqs=2", "kv.max_step_tokens=8"))
     out = capsys.readouterr().out
     summary = out[out.index(f"built {version}"):].splitlines()
-    assert summary[-2:] == [
+    assert summary[-3:] == [
         "  context: 128 tokens per sequence x kv.max_seqs=2; prompts in steps of up to 8 tokens",
         "    kv.capacity=128 (null in the config): the layout's default for a model without a context of its own "
-        "(model.context_length=0)"]
+        "(model.context_length=0)",
+        "  KV cache (float32): 0.2 MB, 0.1 MB a sequence, 1.0 KB a token"]
     recorded = (version / ".hydra" / "config.yaml").read_text()  # the values built, for a rebuild
     assert "capacity: 128" in recorded and "max_step_tokens: 8" in recorded
 
@@ -158,7 +159,7 @@ def planned_stores(pte) -> dict:
 
     program = deserialize_pte_binary(pte.read_bytes())
     program = getattr(program, "program", program)
-    item = {6: 4, 15: 2, 5: 2}  # ScalarType FLOAT, BFLOAT16, HALF
+    item = {6: 4, 15: 2, 5: 2, 1: 1}  # ScalarType FLOAT, BFLOAT16, HALF, CHAR (int8)
     planned = {}
     for plan in program.execution_plan:
         stores = {}
