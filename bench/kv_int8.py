@@ -8,7 +8,8 @@ holding the context), ``--steps`` decode steps of all of them (``smollm2_decode.
 artifacts in turn, ``--runs`` times: medians, and the int8 / float32 ratio from the same runs. Memory:
 the KV stores' bytes per sequence (the manifest's), and the peak resident memory of a process that
 loads the artifact and fills every sequence to the longest context (a child process per artifact:
-after loading, after filling, and its peak).
+after loading, after filling, and its peak: VmHWM, the address space's own; Linux keeps ``ru_maxrss``
+across ``execve``, so a child's would include the parent's size when it was forked).
 Writes the "kv_int8" section of docs/benchmarks.md (``--out`` another file)."""
 
 import argparse
@@ -24,7 +25,7 @@ from _results import RESULTS, write_section
 from smollm2_decode import TEXT, ours
 
 FILL = """
-import resource, sys
+import sys
 from pipeline.runtime.session import Session
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20
@@ -35,7 +36,8 @@ for i in range(s.max_seqs):
     for start in range(0, len(ids), s.max_step_tokens):
         s.step({i: ids[start: start + s.max_step_tokens]})
 s.step({i: [ids[0]] for i in range(s.max_seqs)})
-print(loaded, rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) // 1024
+print(loaded, rss(), peak)
 """
 
 
