@@ -68,8 +68,11 @@ def kv_line(layout) -> str:
     total = sum(layout.kv_bytes_per_layer())
     per_token = layout.bytes_per_token() * len(layout.layers)
     kind = (f"{layout.dtype}, a float32 scale per token and KV head" if layout.quantized else layout.dtype)
-    return (f"KV cache ({kind}): {total / 1e6:.1f} MB, {total / layout.max_seqs / 1e6:.1f} MB a sequence, "
-            f"{per_token / 1e3:.1f} KB a token")
+    return f"KV cache ({kind}): {_size(total)}, {_size(total / layout.max_seqs)} a sequence, {_size(per_token)} a token"
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
 
 
 def model_context(model_cfg) -> int:

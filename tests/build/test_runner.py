@@ -79,7 +79,7 @@ def test_the_summary_says_the_context(tmp_path, capsys):
         "  context: 128 tokens per sequence x kv.max_seqs=2; prompts in steps of up to 8 tokens",
         "    kv.capacity=128 (null in the config): the layout's default for a model without a context of its own "
         "(model.context_length=0)",
-        "  KV cache (float32): 0.2 MB, 0.1 MB a sequence, 1.0 KB a token"]
+        "  KV cache (float32): 154.6 KB, 77.3 KB a sequence, 1.0 KB a token"]
     recorded = (version / ".hydra" / "config.yaml").read_text()  # the values built, for a rebuild
     assert "capacity: 128" in recorded and "max_step_tokens: 8" in recorded
 
