@@ -129,7 +129,9 @@ def _gathered(store: Tensor, slots: Tensor, n_batch: int, n_keys: int, order: li
     # permute (portable's, element by element) 11.8 ms (docs/design.md "The 8-bit KV cache")
     rows = store.index_select(0, slots)
     if store.dtype == torch.int8:
-        from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401  (registers the op)
+        # the op (torch's), and its out variant and kernel (ExecuTorch's quantized kernels: portable runs it)
+        import executorch.kernels.quantized  # noqa: F401
+        from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
 
         rows = torch.ops.quantized_decomposed.dequantize_per_tensor.default(rows, 1.0, 0, -127, 127, torch.int8)
     return _f32(rows).view(n_batch, n_keys, *store.shape[1:]).permute(*order).reshape(shape)

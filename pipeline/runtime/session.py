@@ -27,6 +27,7 @@ from pipeline.build.manifest import constant_methods, read, sections
 from pipeline.build.roles import DRAFT, EMBED, TARGET, TARGET_STEP, VISION, VISION_ENCODER
 from pipeline.errors import SessionError
 from pipeline.kv.layouts import SeqState
+from pipeline.kv.quantize import QUANTIZED_DTYPES
 from pipeline.runtime.images import SequenceImages, encoder_input, image_key, load_processor, pixels
 from pipeline.runtime.model_state import ModelState
 from pipeline.runtime.prefix_cache import PrefixCache, Retained
@@ -69,9 +70,11 @@ class Session:
 
             from pipeline.quant import scheme
 
-            if scheme(self.manifest.get("quant", {}).get("scheme", "none")).quantized:
-                # the quantized embedding ops' kernels (embedding_byte / embedding_4bit) register with the
-                # runtime when this library loads; without it the method fails to load (OperatorMissing)
+            if (scheme(self.manifest.get("quant", {}).get("scheme", "none")).quantized
+                    or self.kv.get("dtype") in QUANTIZED_DTYPES):
+                # the quantized ops' kernels (embedding_byte / embedding_4bit; an 8-bit KV cache's
+                # dequantize_per_tensor where portable runs it) register with the runtime when this library
+                # loads; without it the method fails to load (OperatorMissing)
                 import executorch.kernels.quantized  # noqa: F401
             self.program = Runtime.get().load_program(str(artifact_dir / self.manifest["program"]))
             self.runtime = "executorch.runtime"
