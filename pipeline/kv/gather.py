@@ -1,12 +1,38 @@
-"""The host's side of the gathered CPU attention (``kvcache::sdpa_gather``): the values of the step
-buffers ``KVLayout.gather_buffers`` declares, from the store slots each sequence of a step holds
-(docs/design.md, "Step buffers")."""
+"""The gathered CPU attention (``kvcache::sdpa_gather``) as a layout uses it: the step buffers it declares
+(``gather_buffers``), its call in the lowered graph (``gather_call``), and the host's values of those
+buffers, from the store slots each sequence of a step holds (``gather_values``; docs/design.md, "Step
+buffers")."""
 
-from pipeline.kv.layouts import SeqState
+from pipeline.kv.layouts import AttentionKernel, KVLayout, SeqState, StepBuffer
+
+
+def gather_buffers(layout: KVLayout) -> list[StepBuffer]:
+    """The step buffers of the gathered attention (``kvcache::sdpa_gather``'s host-listed keys).
+    Each named size is the size of one buffer alone (a size several inputs share is taken from
+    any of them, and the program read back by ``torch.export.load`` took it from another one than
+    the program in memory: the stage cache's compile was not the same program)."""
+    buffers = [StepBuffer("block_q", ("block_tokens",)), StepBuffer("out_rows", ("n_tokens",))]
+    for kind in layout.key_kinds():
+        buffers += [StepBuffer(f"one_{kind}", (f"one_tokens_{kind}", 3, f"one_keys_{kind}")),
+                    StepBuffer(f"block_{kind}", (2, f"block_keys_{kind}"))]
+    return buffers
+
+
+def gather_call(layout: KVLayout, call, kernel: AttentionKernel, q, k_store, v_store, pos, step: dict, kind: str,
+                scale: float, window: int, scales: tuple | None = None):
+    """Graph nodes: ``kvcache::sdpa_gather`` over the key set ``kind``'s host-listed slots (an 8-bit
+    store's, with its ``scales`` (K's, V's): ``kvcache::sdpa_gather_q8``)."""
+    listed = (pos, step[f"one_{kind}"], step["block_q"], step[f"block_{kind}"], step["out_rows"], scale, layout.causal,
+              window)
+    if scales is None:
+        return call(kernel.gather, (q, k_store, v_store, *listed))
+    if kernel.gather_q8 is None:
+        raise NotImplementedError("this backend's attention has no 8-bit KV form (kv.dtype=int8)")
+    return call(kernel.gather_q8, (q, k_store, scales[0], v_store, scales[1], *listed))
 
 
 def gather_values(order: list[tuple[SeqState, int]], keys_of) -> dict:
-    """The gathered attention's step buffers (``KVLayout.gather_buffers``) for a step of ``order``
+    """The gathered attention's step buffers (``gather_buffers``) for a step of ``order``
     (sequence, new tokens), its tokens in that order. ``keys_of(seq, n)`` -> {key set: (slots, positions)}:
     the store slots the sequence holds after the step's writes, in position order, and their positions.
 

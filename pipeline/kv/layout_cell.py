@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 
 from pipeline.errors import SessionError
-from pipeline.kv.gather import gather_values
+from pipeline.kv.gather import gather_buffers, gather_call, gather_values
 from pipeline.kv.layouts import CELL_OWNER_BITS, KVConfigError, KVLayout, LayerStore, Pool, SeqState, StepBuffer
 
 
@@ -47,7 +47,7 @@ class CellLayout(KVLayout):
 
     def step_buffers(self) -> list[StepBuffer]:
         if not self.planned:
-            return [StepBuffer("cell_ids", ("n_tokens",)), *self.gather_buffers()]
+            return [StepBuffer("cell_ids", ("n_tokens",)), *gather_buffers(self)]
         return [
             StepBuffer("cell_ids", ("n_tokens",)),
             StepBuffer("q_seq_bits", ("n_tokens",)),
@@ -91,7 +91,7 @@ class CellLayout(KVLayout):
         import torch
 
         if not kernel.planned:  # the cells the session listed: each query's own sequence's
-            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, "cells", scale, layer.window, scales)
+            return gather_call(self, call, kernel, q, k_store, v_store, pos, step, "cells", scale, layer.window, scales)
         # the cells up to the last one owned: the stores' prefix as long as cell_pos
         n_cells = call(torch.ops.aten.sym_size.int, (step["cell_pos"], 0))
         k_store = call(torch.ops.aten.slice.Tensor, (k_store, 0, 0, n_cells))

@@ -12,7 +12,7 @@ its column once for all its tokens, and no step reads another sequence's rows or
 
 from dataclasses import dataclass
 
-from pipeline.kv.gather import gather_values
+from pipeline.kv.gather import gather_buffers, gather_call, gather_values
 from pipeline.kv.layouts import (
     AttentionKernel,
     KVLayout,
@@ -55,7 +55,7 @@ class SequenceLayout(KVLayout):
     def step_buffers(self) -> list[StepBuffer]:
         buffers = [StepBuffer("seq_cols", ("n_tokens",))] if self.columns > 1 else []
         if not self.planned:
-            return buffers + self.gather_buffers()
+            return buffers + gather_buffers(self)
         return buffers + [StepBuffer(f"seq_info_{kind}", (self.max_segments, 4)) for kind in self.kinds]
 
     def constants(self) -> dict[str, int]:
@@ -83,7 +83,7 @@ class SequenceLayout(KVLayout):
 
         aten = torch.ops.aten
         if not kernel.planned:  # the slots the session listed: each query's own sequence's rows
-            return self.gather_call(call, kernel, q, k_store, v_store, pos, step, layer.kind, scale, layer.window, scales)
+            return gather_call(self, call, kernel, q, k_store, v_store, pos, step, layer.kind, scale, layer.window, scales)
         cols = step["seq_cols"] if "seq_cols" in step else call(aten.zeros_like.default, (pos,))
         seq_info = step[f"seq_info_{layer.kind}"]
         if layer.kind not in plans:  # every layer of a kind has the same bounds and shapes: one plan

@@ -187,28 +187,6 @@ class KVLayout:
         raise ValueError(f"step buffer dimension {dim!r} is not one of this layout's: n_tokens, block_tokens, or "
                          f"one_tokens_<kind>, one_keys_<kind>, block_keys_<kind> for {self.key_kinds()}")
 
-    def gather_buffers(self) -> list[StepBuffer]:
-        """The step buffers of the gathered attention (``kvcache::sdpa_gather``'s host-listed keys).
-        Each named size is the size of one buffer alone (a size several inputs share is taken from
-        any of them, and the program read back by ``torch.export.load`` took it from another one than
-        the program in memory: the stage cache's compile was not the same program)."""
-        buffers = [StepBuffer("block_q", ("block_tokens",)), StepBuffer("out_rows", ("n_tokens",))]
-        for kind in self.key_kinds():
-            buffers += [StepBuffer(f"one_{kind}", (f"one_tokens_{kind}", 3, f"one_keys_{kind}")),
-                        StepBuffer(f"block_{kind}", (2, f"block_keys_{kind}"))]
-        return buffers
-
-    def gather_call(self, call, kernel: "AttentionKernel", q, k_store, v_store, pos, step: dict, kind: str,
-                    scale: float, window: int, scales: tuple | None = None):
-        """Graph nodes: ``kvcache::sdpa_gather`` over the key set ``kind``'s host-listed slots (an 8-bit
-        store's, with its ``scales`` (K's, V's): ``kvcache::sdpa_gather_q8``)."""
-        listed = (pos, step[f"one_{kind}"], step["block_q"], step[f"block_{kind}"], step["out_rows"], scale, self.causal, window)
-        if scales is None:
-            return call(kernel.gather, (q, k_store, v_store, *listed))
-        if kernel.gather_q8 is None:
-            raise NotImplementedError("this backend's attention has no 8-bit KV form (kv.dtype=int8)")
-        return call(kernel.gather_q8, (q, k_store, scales[0], v_store, scales[1], *listed))
-
     def store_shape(self, layer: LayerStore) -> tuple[int, int, int]:
         return (layer.rows * self.columns, self.n_kv_heads, self.head_dim)
 
