@@ -17,6 +17,11 @@ batched-sequence layout interleaves its columns). The forms (no masks: the lande
   permute of the keys.
 - ``head-major, keys left``: the same with the scores computed transposed, ``K q^T`` (XNNPACK packs a
   ``bmm``'s right operand: the queries here, not the keys).
+- ``in place (C++ prototype)``, ``in place int8 (C++ prototype)``: ``kv_inplace.cpp``, a kernel of
+  ExecuTorch's runtime written for this bench (not in the pipeline) that reads the listed rows where they
+  lie; compiled here with g++ against the wheel's headers and ``libexecutorch.so``, loaded beside the
+  runtime, called by name from the program (its ops defined for export with an eager reference). Left
+  out, with a line saying so, where g++ is missing.
 
 Beside each: the bytes of K and V the step reads (float32, or int8 for the 8-bit store) and the time
 reading them once takes at the machine's read bandwidth (``torch.sum`` over 400 MB, measured in the same
@@ -88,12 +93,102 @@ class HeadMajor(nn.Module):
         return torch.stack(out).sum(0)
 
 
+class InPlace(nn.Module):
+    """The prototype kernel (``kv_inplace.cpp``): the listed slots read where they lie, no copy."""
+
+    def __init__(self, layers: int, b: int, n: int, int8: bool = False):
+        super().__init__()
+        self.b, self.n, self.int8, self.layers = b, n, int8, layers
+        for i in range(layers):
+            k, v = torch.randn(COLUMNS * ROWS, HKV, D), torch.randn(COLUMNS * ROWS, HKV, D)
+            if int8:
+                k, v = (x.mul(40).round().clamp(-127, 127).to(torch.int8) for x in (k, v))
+                self.register_buffer(f"ks{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)  # a scale per row and head
+                self.register_buffer(f"vs{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)
+            self.register_buffer(f"k{i}", k)
+            self.register_buffer(f"v{i}", v)
+
+    def forward(self, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        qh, listed, out = q.reshape(self.b, HQ, D), slots.view(self.b, self.n), []
+        for i in range(self.layers):
+            k, v = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+            if self.int8:
+                o = torch.ops.kvbench.attend_inplace_q8(qh, k, getattr(self, f"ks{i}"), v, getattr(self, f"vs{i}"),
+                                                        listed, 0.125)
+            else:
+                o = torch.ops.kvbench.attend_inplace(qh, k, v, listed, 0.125)
+            out.append(o.reshape(self.b * HKV, G, D))
+        return torch.stack(out).sum(0)
+
+
+def _eager_inplace(q, k, k_scale, v, v_scale, slots, scale):
+    b, n = slots.shape
+    kf = k.float().index_select(0, slots.reshape(-1)).view(b, n, HKV, D)
+    vf = v.float().index_select(0, slots.reshape(-1)).view(b, n, HKV, D)
+    if k_scale is not None:
+        kf = kf * k_scale.index_select(0, slots.reshape(-1)).view(b, n, HKV, 1)
+        vf = vf * v_scale.index_select(0, slots.reshape(-1)).view(b, n, HKV, 1)
+    qf = q.view(b, HKV, G, D)
+    weights = torch.softmax(torch.einsum("bhgd,bnhd->bhgn", qf, kf) * scale, -1)
+    return torch.einsum("bhgn,bnhd->bhgd", weights, vf).reshape(b, HQ, D)
+
+
+def load_inplace() -> bool:
+    """Build ``kv_inplace.cpp`` with g++ against the ExecuTorch wheel's headers and runtime, load it (its
+    kernels register with the runtime), and define its ops for export; False where g++ is missing."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+
+    import executorch.exir
+
+    if not shutil.which("g++"):
+        print("no g++: the in-place prototype's rows are left out", flush=True)
+        return False
+    root = Path(executorch.exir.__file__).parent.parent  # the wheel: include/, lib/
+    lib = Path(tempfile.mkdtemp()) / "libkv_inplace.so"
+    subprocess.run(["g++", "-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+                    "-DET_USE_THREADPOOL", "-DC10_USING_CUSTOM_GENERATED_MACROS", f"-I{root / 'include'}",
+                    f"-I{root / 'include/executorch/runtime/core/portable_type/c10'}",
+                    str(Path(__file__).with_name("kv_inplace.cpp")), "-o", str(lib), f"-L{root / 'lib'}",
+                    "-lexecutorch", "-lexecutorch_threadpool", f"-Wl,-rpath,{root / 'lib'}"], check=True)
+    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    lib_def = torch.library.Library("kvbench", "DEF")
+    load_inplace.keep = lib_def
+    lib_def.define("attend_inplace(Tensor q, Tensor k, Tensor v, Tensor slots, float scale) -> Tensor")
+    lib_def.define("attend_inplace.out(Tensor q, Tensor k, Tensor v, Tensor slots, float scale, *, Tensor(a!) out)"
+                   " -> Tensor(a!)")
+    lib_def.define("attend_inplace_q8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor slots, "
+                   "float scale) -> Tensor")
+    lib_def.define("attend_inplace_q8.out(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor slots,"
+                   " float scale, *, Tensor(a!) out) -> Tensor(a!)")
+
+    def plain(q, k, v, slots, scale):
+        return _eager_inplace(q, k, None, v, None, slots, scale)
+
+    def plain_out(q, k, v, slots, scale, *, out):
+        return out.copy_(plain(q, k, v, slots, scale))
+
+    def q8_out(q, k, ks, v, vs, slots, scale, *, out):
+        return out.copy_(_eager_inplace(q, k, ks, v, vs, slots, scale))
+
+    for name, fn in [("attend_inplace", plain), ("attend_inplace.out", plain_out),
+                     ("attend_inplace_q8", _eager_inplace), ("attend_inplace_q8.out", q8_out)]:
+        lib_def.impl(name, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake("kvbench::attend_inplace")(lambda q, k, v, slots, scale: torch.empty_like(q))
+    torch.library.register_fake("kvbench::attend_inplace_q8")(
+        lambda q, k, ks, v, vs, slots, scale: torch.empty_like(q))
+    return True
+
+
 def lower(module: nn.Module, args: tuple):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
-    program = to_edge_transform_and_lower(torch.export.export(module, args), partitioner=[XnnpackPartitioner()])
+    program = to_edge_transform_and_lower(torch.export.export(module, args), partitioner=[XnnpackPartitioner()],
+                                          compile_config=EdgeCompileConfig(_check_ir_validity=False))
     buffer = program.to_executorch().buffer
     method = Runtime.get().load_program(buffer).load_method("forward")
     method.keep = buffer  # the runtime reads the program from this buffer: it must outlive the method
@@ -130,6 +225,7 @@ def main() -> None:
     import executorch.kernels.quantized  # noqa: F401  (dequantize_per_tensor's out variant)
     from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
 
+    inplace = load_inplace()
     torch.manual_seed(0)
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth:.1f} GB/s", flush=True)
@@ -141,6 +237,9 @@ def main() -> None:
         forms = {"gathered (landed)": Gathered(args.layers, b, n), "gathered int8 (landed)": Gathered(args.layers, b, n, True),
                  "head-major": HeadMajor(args.layers, b, n, False),
                  "head-major, keys left": HeadMajor(args.layers, b, n, True)}
+        if inplace:
+            forms["in place (C++ prototype)"] = InPlace(args.layers, b, n)
+            forms["in place int8 (C++ prototype)"] = InPlace(args.layers, b, n, True)
         for name, module in forms.items():
             method = lower(module, (q, slots))
             want = module(q, slots)

@@ -1,6 +1,7 @@
 """bench/kv_read_floor.py's forms compute the attention eager torch computes, lowered to XNNPACK (a smoke run
-at toy sizes; the script asserts each form against eager torch before timing it)."""
+at toy sizes; the script asserts each form against eager torch before timing it, the C++ prototype's too)."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,5 +15,8 @@ def test_kv_read_floor_smoke(tmp_path):
                           "--out", str(out)], cwd=BENCH, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     table = out.read_text()
-    for form in ("gathered (landed)", "gathered int8 (landed)", "head-major", "head-major, keys left"):
+    forms = ["gathered (landed)", "gathered int8 (landed)", "head-major", "head-major, keys left"]
+    if shutil.which("g++"):  # the C++ prototype, built and loaded into ExecuTorch's runtime
+        forms += ["in place (C++ prototype)", "in place int8 (C++ prototype)"]
+    for form in forms:
         assert f"| 2x8 | {form} |" in table, table
