@@ -17,11 +17,10 @@ batched-sequence layout interleaves its columns). The forms (no masks: the lande
   permute of the keys.
 - ``head-major, keys left``: the same with the scores computed transposed, ``K q^T`` (XNNPACK packs a
   ``bmm``'s right operand: the queries here, not the keys).
-- ``in place (C++ prototype)``, ``in place int8 (C++ prototype)``: ``kv_inplace.cpp``, a kernel of
-  ExecuTorch's runtime written for this bench (not in the pipeline) that reads the listed rows where they
-  lie; compiled here with g++ against the wheel's headers and ``libexecutorch.so``, loaded beside the
-  runtime, called by name from the program (its ops defined for export with an eager reference). Left
-  out, with a line saying so, where g++ is missing.
+- ``native (kv.cpu_kernel=native)``, ``native int8``: ``kvcache::sdpa_gather`` (``_q8``) kept whole and run by
+  ``pipeline/kernels/cpu/sdpa_gather.cpp``, a kernel of ExecuTorch's runtime that reads the listed rows where
+  they lie (``pipeline/kernels/native.py`` builds it with g++ and loads it). Left out, with a line saying
+  so, where g++ is missing.
 
 Beside each: the bytes of K and V the step reads (float32, or int8 for the 8-bit store) and the time
 reading them once takes at the machine's read bandwidth (``torch.sum`` over 400 MB, measured in the same
@@ -94,7 +93,8 @@ class HeadMajor(nn.Module):
 
 
 class InPlace(nn.Module):
-    """The prototype kernel (``kv_inplace.cpp``): the listed slots read where they lie, no copy."""
+    """``kv.cpu_kernel=native``: ``kvcache::sdpa_gather`` kept whole, run by pipeline/kernels/cpu/sdpa_gather.cpp
+    (each sequence's token alone over its own list: the step buffers a decode of B sequences fills)."""
 
     def __init__(self, layers: int, b: int, n: int, int8: bool = False):
         super().__init__()
@@ -107,78 +107,38 @@ class InPlace(nn.Module):
                 self.register_buffer(f"vs{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)
             self.register_buffer(f"k{i}", k)
             self.register_buffer(f"v{i}", v)
+        self.register_buffer("q_pos", torch.full((b,), n))
+        self.register_buffer("block_q", torch.zeros(1, dtype=torch.int64))  # an empty block: one hidden entry
+        self.register_buffer("block", torch.tensor([[0], [-1]]))
+        self.register_buffer("out_rows", torch.arange(b))
 
     def forward(self, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        qh, listed, out = q.reshape(self.b, HQ, D), slots.view(self.b, self.n), []
+        listed = slots.view(self.b, 1, self.n)
+        one = torch.cat([listed, torch.arange(self.n).expand(self.b, 1, self.n),
+                         torch.arange(self.b).view(self.b, 1, 1).expand(self.b, 1, self.n)], dim=1)
+        qh, out = q.reshape(self.b, HQ, D), []
+        step = (self.q_pos, one, self.block_q, self.block, self.out_rows, 0.125, True, 0)
         for i in range(self.layers):
             k, v = getattr(self, f"k{i}"), getattr(self, f"v{i}")
             if self.int8:
-                o = torch.ops.kvbench.attend_inplace_q8(qh, k, getattr(self, f"ks{i}"), v, getattr(self, f"vs{i}"),
-                                                        listed, 0.125)
+                o = torch.ops.kvcache.sdpa_gather_q8(qh, k, getattr(self, f"ks{i}"), v, getattr(self, f"vs{i}"), *step)
             else:
-                o = torch.ops.kvbench.attend_inplace(qh, k, v, listed, 0.125)
+                o = torch.ops.kvcache.sdpa_gather(qh, k, v, *step)
             out.append(o.reshape(self.b * HKV, G, D))
         return torch.stack(out).sum(0)
 
 
-def _eager_inplace(q, k, k_scale, v, v_scale, slots, scale):
-    b, n = slots.shape
-    kf = k.float().index_select(0, slots.reshape(-1)).view(b, n, HKV, D)
-    vf = v.float().index_select(0, slots.reshape(-1)).view(b, n, HKV, D)
-    if k_scale is not None:
-        kf = kf * k_scale.index_select(0, slots.reshape(-1)).view(b, n, HKV, 1)
-        vf = vf * v_scale.index_select(0, slots.reshape(-1)).view(b, n, HKV, 1)
-    qf = q.view(b, HKV, G, D)
-    weights = torch.softmax(torch.einsum("bhgd,bnhd->bhgn", qf, kf) * scale, -1)
-    return torch.einsum("bhgn,bnhd->bhgd", weights, vf).reshape(b, HQ, D)
-
-
 def load_inplace() -> bool:
-    """Build ``kv_inplace.cpp`` with g++ against the ExecuTorch wheel's headers and runtime, load it (its
-    kernels register with the runtime), and define its ops for export; False where g++ is missing."""
-    import ctypes
+    """The native kernels (pipeline/kernels/native.py: built with g++, loaded beside the runtime); False, with
+    a line saying so, where g++ is missing."""
     import shutil
-    import subprocess
-    import tempfile
-
-    import executorch.exir
 
     if not shutil.which("g++"):
-        print("no g++: the in-place prototype's rows are left out", flush=True)
+        print("no g++: the native kernel's rows are left out", flush=True)
         return False
-    root = Path(executorch.exir.__file__).parent.parent  # the wheel: include/, lib/
-    lib = Path(tempfile.mkdtemp()) / "libkv_inplace.so"
-    subprocess.run(["g++", "-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
-                    "-DET_USE_THREADPOOL", "-DC10_USING_CUSTOM_GENERATED_MACROS", f"-I{root / 'include'}",
-                    f"-I{root / 'include/executorch/runtime/core/portable_type/c10'}",
-                    str(Path(__file__).with_name("kv_inplace.cpp")), "-o", str(lib), f"-L{root / 'lib'}",
-                    "-lexecutorch", "-lexecutorch_threadpool", f"-Wl,-rpath,{root / 'lib'}"], check=True)
-    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    lib_def = torch.library.Library("kvbench", "DEF")
-    load_inplace.keep = lib_def
-    lib_def.define("attend_inplace(Tensor q, Tensor k, Tensor v, Tensor slots, float scale) -> Tensor")
-    lib_def.define("attend_inplace.out(Tensor q, Tensor k, Tensor v, Tensor slots, float scale, *, Tensor(a!) out)"
-                   " -> Tensor(a!)")
-    lib_def.define("attend_inplace_q8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor slots, "
-                   "float scale) -> Tensor")
-    lib_def.define("attend_inplace_q8.out(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor slots,"
-                   " float scale, *, Tensor(a!) out) -> Tensor(a!)")
+    from pipeline.kernels import native
 
-    def plain(q, k, v, slots, scale):
-        return _eager_inplace(q, k, None, v, None, slots, scale)
-
-    def plain_out(q, k, v, slots, scale, *, out):
-        return out.copy_(plain(q, k, v, slots, scale))
-
-    def q8_out(q, k, ks, v, vs, slots, scale, *, out):
-        return out.copy_(_eager_inplace(q, k, ks, v, vs, slots, scale))
-
-    for name, fn in [("attend_inplace", plain), ("attend_inplace.out", plain_out),
-                     ("attend_inplace_q8", _eager_inplace), ("attend_inplace_q8.out", q8_out)]:
-        lib_def.impl(name, fn, "CompositeExplicitAutograd")
-    torch.library.register_fake("kvbench::attend_inplace")(lambda q, k, v, slots, scale: torch.empty_like(q))
-    torch.library.register_fake("kvbench::attend_inplace_q8")(
-        lambda q, k, ks, v, vs, slots, scale: torch.empty_like(q))
+    native.load()
     return True
 
 
@@ -238,8 +198,8 @@ def main() -> None:
                  "head-major": HeadMajor(args.layers, b, n, False),
                  "head-major, keys left": HeadMajor(args.layers, b, n, True)}
         if inplace:
-            forms["in place (C++ prototype)"] = InPlace(args.layers, b, n)
-            forms["in place int8 (C++ prototype)"] = InPlace(args.layers, b, n, True)
+            forms["native (kv.cpu_kernel=native)"] = InPlace(args.layers, b, n)
+            forms["native int8"] = InPlace(args.layers, b, n, True)
         for name, module in forms.items():
             method = lower(module, (q, slots))
             want = module(q, slots)

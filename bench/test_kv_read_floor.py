@@ -1,5 +1,5 @@
 """bench/kv_read_floor.py's forms compute the attention eager torch computes, lowered to XNNPACK (a smoke run
-at toy sizes; the script asserts each form against eager torch before timing it, the C++ prototype's too)."""
+at toy sizes; the script asserts each form against eager torch before timing it, the native kernel's too)."""
 
 import shutil
 import subprocess
@@ -16,7 +16,7 @@ def test_kv_read_floor_smoke(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     table = out.read_text()
     forms = ["gathered (landed)", "gathered int8 (landed)", "head-major", "head-major, keys left"]
-    if shutil.which("g++"):  # the C++ prototype, built and loaded into ExecuTorch's runtime
-        forms += ["in place (C++ prototype)", "in place int8 (C++ prototype)"]
+    if shutil.which("g++"):  # the native kernel, built and loaded into ExecuTorch's runtime
+        forms += ["native (kv.cpu_kernel=native)", "native int8"]
     for form in forms:
         assert f"| 2x8 | {form} |" in table, table

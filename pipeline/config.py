@@ -48,6 +48,13 @@ class QuantScheme(enum.StrEnum):
     from_checkpoint = "from_checkpoint"  # a GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (pipeline/quant/gguf.py)
 
 
+class KVCpuKernel(enum.StrEnum):
+    """How a CPU backend runs the attention over the rows a step lists (``kvcache::sdpa_gather``)."""
+
+    aten = "aten"  # ATen ops in the program: the rows gathered, permuted and packed for the matmuls (copies)
+    native = "native"  # pipeline/kernels/cpu/sdpa_gather.cpp, a kernel of ExecuTorch's runtime reading the rows in place (built with g++)
+
+
 class QuantScales(enum.StrEnum):
     """How int4 chooses each group's scale (torchao's choices; all symmetric, which XNNPACK's qb4w runs)."""
 
@@ -138,6 +145,9 @@ class KVConfig:
     # context of its own, 16 without
     max_step_tokens: int | None = None
     dtype: KVDType = KVDType.float32  # of the KV stores: float32 | bfloat16 | float16 | int8 (per token and head scales)
+    # CPU backends: aten (ATen ops, copying the rows a step reads) | native (a C++ kernel of ExecuTorch's
+    # runtime reading them in place; built with g++ at the build and where the artifact is served)
+    cpu_kernel: KVCpuKernel = KVCpuKernel.aten
 
 
 @dataclass

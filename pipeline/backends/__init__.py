@@ -61,7 +61,7 @@ class Backend:
 
         return ATEN_DECOMPOSITIONS
 
-    def programs(self, lowered: dict, tables: dict | None = None) -> dict:
+    def programs(self, lowered: dict, tables: dict | None = None, native: bool = False) -> dict:
         """The graphs the backend compiles, from lower_kv's programs, which must stay usable.
 
         ``run_decompositions`` gives new programs with their own state dicts, enough for a backend
@@ -76,6 +76,11 @@ class Backend:
             table = (tables or {}).get(name)
             table = table.copy() if table is not None else {}  # ExecuTorch's: torch.export's CustomDecompTable
             table.update(self.inlined())
+            if native:  # kv.cpu_kernel=native: the gathered attention stays whole, the native kernel runs it
+                from pipeline.kernels.native import NATIVE_OPS, load
+
+                load()  # its out variants, which to_executorch finds by name
+                table = {op: fn for op, fn in table.items() if op not in NATIVE_OPS}
             programs[name] = ep.run_decompositions(table)
         for ep in programs.values():
             merge_common_subexpressions(ep.graph_module)

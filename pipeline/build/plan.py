@@ -101,6 +101,20 @@ def resolve(cfg: DictConfig) -> BuildPlan:
     if cfg.kv.dtype == "int8" and not chosen.quantized_kv:
         raise ConfigError(f"kv.dtype=int8: backend={chosen.name} has no 8-bit KV cache (its attention reads float stores); "
                           f"choose kv.dtype=float32, bfloat16 or float16, or backend={' or '.join(quantized_kv_backends())}")
+    if cfg.kv.cpu_kernel == "native":
+        if chosen.planned_attention:
+            raise ConfigError(f"kv.cpu_kernel=native: backend={chosen.name} plans its attention on the GPU, the native "
+                              "kernel is the CPU backends'; choose kv.cpu_kernel=aten")
+        if cfg.kv.dtype not in ("float32", "int8") or cfg.model.dtype != "float32":
+            raise ConfigError(f"kv.cpu_kernel=native reads float32 queries and float32 or int8 stores: kv.dtype={cfg.kv.dtype}, "
+                              f"model.dtype={cfg.model.dtype}; choose kv.dtype=float32 or int8 with model.dtype=float32, or "
+                              "kv.cpu_kernel=aten")
+        from pipeline.kernels.native import compiler
+
+        try:
+            compiler()
+        except RuntimeError as e:
+            raise ConfigError(f"kv.cpu_kernel=native: {e}; or choose kv.cpu_kernel=aten") from None
     if cfg.memory_budget_gb is not None and not cfg.memory_budget_gb > 0:
         raise ConfigError(f"memory_budget_gb={cfg.memory_budget_gb} must be a positive number of GB (null: this machine's memory)")
 
@@ -181,7 +195,8 @@ def _layouts(cfg: DictConfig, parts: dict, chosen: Backend, capacity: int | None
             # kv.dtype=int8 quantizes the target's stores; a draft's (its context features' keys) stay float32
             own = kv if name == TARGET or kv.dtype != "int8" else OmegaConf.merge(kv, {"dtype": "float32"})
             layout = build_layout(own, part.args, rule.causal, rule.max_step_tokens, rule.step_width)
-            out[name] = dataclasses.replace(layout, planned=chosen.planned_attention)  # the backend's step buffers
+            out[name] = dataclasses.replace(layout, planned=chosen.planned_attention,  # the backend's step buffers
+                                            native=kv.cpu_kernel == "native")
     return out
 
 

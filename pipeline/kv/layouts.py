@@ -145,6 +145,8 @@ class KVLayout:
     # the backend's attention: planned on the GPU from seq_info (``kvcache::sdpa_varlen_plan``), else
     # gathered from the store slots the host lists per query (``kvcache::sdpa_gather``, GATHER_BUFFERS)
     planned: bool = False
+    # CPU backends: the gathered attention as the native kernel (kv.cpu_kernel=native), kept whole in the program
+    native: bool = False
 
     @property
     def torch_dtype(self):

@@ -172,7 +172,8 @@ def decomposition_table(partitioner, ep, config) -> tuple[dict, list, bool]:
     return table, ops, True
 
 
-def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, constant_methods: dict, config):
+def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, constant_methods: dict, config,
+                                native: bool = False):
     """ExecuTorch's ``to_edge_transform_and_lower(backend.programs(lowered), partitioners, ...)`` in one
     retrace per method; ``partitioners``: {method: [at most one partitioner]}. (The name is
     ExecuTorch's: XNNPACK's partitioner looks for it on the stack, and warns of a deprecated
@@ -198,7 +199,7 @@ def to_edge_transform_and_lower(backend, lowered: dict, partitioners: dict, cons
     tables, kept, checked = {}, {}, {}
     for name, ep in lowered.items():
         tables[name], kept[name], checked[name] = decomposition_table(chosen[name], ep, config)
-    programs = backend.programs(lowered, tables)
+    programs = backend.programs(lowered, tables, native)
     edge_programs, preserved = {}, {}
     for name, ep in programs.items():
         preserved[name] = list(kept[name])

@@ -76,6 +76,10 @@ class Session:
                 # dequantize_per_tensor where portable runs it) register with the runtime when this library
                 # loads; without it the method fails to load (OperatorMissing)
                 import executorch.kernels.quantized  # noqa: F401
+            if any(section.get("cpu_kernel") == "native" for section in sections(self.manifest).values()):
+                from pipeline.kernels.native import load
+
+                load()  # the attention's kernels (kv.cpu_kernel=native) register with the runtime
             self.program = Runtime.get().load_program(str(artifact_dir / self.manifest["program"]))
             self.runtime = "executorch.runtime"
             self._check_constants()

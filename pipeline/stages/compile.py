@@ -28,13 +28,15 @@ def run(plan: BuildPlan, inputs: dict, workdir: Path) -> dict:
     if not isinstance(partitioners, dict):
         partitioners = {name: partitioners for name in lowered}
     config = EdgeCompileConfig(_check_ir_validity=backend.edge_ir_check)
+    # kv.cpu_kernel=native: the gathered attention stays whole, for the native kernel (pipeline/kernels/native.py)
+    native = any(p.layout is not None and p.layout.native for p in plan.parts.values())
     print(f"  to_edge_transform_and_lower ({backend.name}): {', '.join(lowered)}", flush=True)
     with backend.lowering(), merge_check_by_set_ops():  # the group partitioner's pair check in C (same partitions)
         if backend.one_retrace and one_retrace_lowering.one_retrace(partitioners):  # one retrace per method
             edge = one_retrace_lowering.to_edge_transform_and_lower(backend, lowered, partitioners,
-                                                                    constant_methods(sections), config)
+                                                                    constant_methods(sections), config, native)
         else:
-            edge = to_edge_transform_and_lower(backend.programs(lowered), partitioner=partitioners,
+            edge = to_edge_transform_and_lower(backend.programs(lowered, native=native), partitioner=partitioners,
                                                constant_methods=constant_methods(sections), compile_config=config)
     partitions = {}
     for name in lowered:

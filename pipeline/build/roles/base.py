@@ -148,4 +148,4 @@ def kv_section(layout, vocab_size: int) -> dict:
         "step_buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype} for b in layout.step_buffers()],
         "kv_bytes_per_layer": layout.kv_bytes_per_layer(),
         "kv_bytes_total": sum(layout.kv_bytes_per_layer()),
-    }
+    } | ({"cpu_kernel": "native"} if layout.native else {})  # the session loads pipeline/kernels/native.py first
