@@ -110,6 +110,27 @@ def test_native_gather_matches_float64(int8, causal, window):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_native_gather_over_a_long_block(int8):
+    """A prefill chunk as the server sends it: 37 tokens over a list of 50 keys (some slots listed twice), the
+    chunk's tokens the list's last positions, beside two tokens alone."""
+    p = problem(3, int8)
+    g = torch.Generator().manual_seed(11)
+    n_block, n_keys = 37, 50
+    alone = p["one"][:2].clone()
+    alone[0, 2], alone[1, 2] = 0, 1
+    tokens = torch.arange(2, 2 + n_block)
+    p["q"] = torch.randn(2 + n_block, HQ, D, generator=g)
+    p["q_pos"] = torch.cat([torch.tensor([13, 5]), torch.arange(n_keys - n_block, n_keys)])
+    p.update(one=alone, block_q=tokens, block=torch.stack([torch.randperm(SLOTS, generator=g).repeat(2)[:n_keys],
+                                                           torch.arange(n_keys)]),
+             out_rows=torch.arange(2 + n_block))
+    for causal, window in [(True, 0), (True, 20)]:
+        want = oracle(p, 0.2, causal, window)
+        got = run_native(p, 0.2, causal, window).double()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+
+
 def test_native_gather_with_an_empty_alone_group():
     p = problem(7, False, only_block=True)
     want = oracle(p, 0.25, True, 0)
