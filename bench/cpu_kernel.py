@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from _results import RESULTS, write_section
-from smollm2_decode import TEXT, ours
+from smollm2_decode import TEXT, interleaved
 
 
 def prefill(version: Path, ids: list[int]) -> float:
@@ -59,10 +59,7 @@ def main() -> int:
     rates = {}
     for c in args.contexts:
         for s in args.seqs:
-            got = {n: [] for n in versions}
-            for _ in range(args.runs):
-                for n, v in versions.items():
-                    got[n].append(ours(v, s, ids[:c], args.steps))
+            got = interleaved(versions, s, ids[:c], args.steps, args.runs)
             med = {n: statistics.median(r) for n, r in got.items()}
             rates[c, s] = med
             ratio = statistics.median([b / a for a, b in zip(got["aten"], got["native"], strict=True)])

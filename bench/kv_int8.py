@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from _results import RESULTS, write_section
-from smollm2_decode import TEXT, ours
+from smollm2_decode import TEXT, interleaved
 
 FILL = """
 import sys
@@ -108,10 +108,7 @@ def main() -> int:
     lines += ["", "| context | S | float32 tok/s | int8 tok/s | int8 / float32 |", "|---|---|---|---|---|"]
     for c in args.contexts:
         for s in args.seqs:
-            rates = {n: [] for n in versions}
-            for _ in range(args.runs):
-                for n, v in versions.items():
-                    rates[n].append(ours(v, s, ids[:c], args.steps))
+            rates = interleaved(versions, s, ids[:c], args.steps, args.runs)
             med = {n: statistics.median(r) for n, r in rates.items()}
             ratio = statistics.median([i / f for i, f in zip(rates["int8"], rates["float32"], strict=True)])
             lines.append(f"| {c} | {s} | {med['float32']:.1f} | {med['int8']:.1f} | {ratio:.2f} |")

@@ -92,21 +92,15 @@ class HeadMajor(nn.Module):
         return torch.stack(out).sum(0)
 
 
-class InPlace(nn.Module):
+class InPlace(Gathered):
     """``kv.cpu_kernel=native``: ``kvcache::sdpa_gather`` kept whole, run by pipeline/kernels/cpu/sdpa_gather.cpp
     (each sequence's token alone over its own list: the step buffers a decode of B sequences fills)."""
 
     def __init__(self, layers: int, b: int, n: int, int8: bool = False):
-        super().__init__()
-        self.b, self.n, self.int8, self.layers = b, n, int8, layers
-        for i in range(layers):
-            k, v = torch.randn(COLUMNS * ROWS, HKV, D), torch.randn(COLUMNS * ROWS, HKV, D)
-            if int8:
-                k, v = (x.mul(40).round().clamp(-127, 127).to(torch.int8) for x in (k, v))
-                self.register_buffer(f"ks{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)  # a scale per row and head
-                self.register_buffer(f"vs{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)
-            self.register_buffer(f"k{i}", k)
-            self.register_buffer(f"v{i}", v)
+        super().__init__(layers, b, n, int8)
+        for i in range(layers if int8 else 0):
+            self.register_buffer(f"ks{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)  # a scale per row and head
+            self.register_buffer(f"vs{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)
         self.register_buffer("q_pos", torch.full((b,), n))
         self.register_buffer("block_q", torch.zeros(1, dtype=torch.int64))  # an empty block: one hidden entry
         self.register_buffer("block", torch.tensor([[0], [-1]]))

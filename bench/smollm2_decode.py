@@ -42,6 +42,15 @@ def ours(version: Path, seqs: int, context: list[int], steps: int) -> float:
     return seqs / statistics.median(times)
 
 
+def interleaved(versions: dict, seqs: int, context: list[int], steps: int, runs: int) -> dict[str, list[float]]:
+    """Decode tokens/s of each artifact (``ours``), the artifacts in turn, ``runs`` times: a list per name."""
+    rates = {name: [] for name in versions}
+    for _ in range(runs):
+        for name, version in versions.items():
+            rates[name].append(ours(version, seqs, context, steps))
+    return rates
+
+
 def theirs(hf, seqs: int, context: list[int], steps: int) -> float:
     ids = torch.tensor([context] * seqs)
     with torch.no_grad():
