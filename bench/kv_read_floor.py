@@ -17,7 +17,7 @@ batched-sequence layout interleaves its columns). The forms (no masks: the lande
   permute of the keys.
 - ``head-major, keys left``: the same with the scores computed transposed, ``K q^T`` (XNNPACK packs a
   ``bmm``'s right operand: the queries here, not the keys).
-- ``native (kv.cpu_kernel=native)``, ``native int8``: ``kvcache::sdpa_gather`` (``_q8``) kept whole and run by
+- ``native (kv.cpu_kernel=native)``, ``native int8``: ``kvcache::sdpa_gather_alone`` (``_q8``) run by
   ``pipeline/kernels/cpu/sdpa_gather.cpp``, a kernel of ExecuTorch's runtime that reads the listed rows where
   they lie (``pipeline/kernels/native.py`` builds it with g++ and loads it). Left out, with a line saying
   so, where g++ is missing.
@@ -93,8 +93,8 @@ class HeadMajor(nn.Module):
 
 
 class InPlace(Gathered):
-    """``kv.cpu_kernel=native``: ``kvcache::sdpa_gather`` kept whole, run by pipeline/kernels/cpu/sdpa_gather.cpp
-    (each sequence's token alone over its own list: the step buffers a decode of B sequences fills)."""
+    """``kv.cpu_kernel=native``: a decode's tokens alone (``kvcache::sdpa_gather_alone``), run by
+    pipeline/kernels/cpu/sdpa_gather.cpp (each sequence's token over its own list, as a decode of B sequences)."""
 
     def __init__(self, layers: int, b: int, n: int, int8: bool = False):
         super().__init__(layers, b, n, int8)
@@ -102,22 +102,20 @@ class InPlace(Gathered):
             self.register_buffer(f"ks{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)  # a scale per row and head
             self.register_buffer(f"vs{i}", torch.rand(COLUMNS * ROWS, HKV) / 40)
         self.register_buffer("q_pos", torch.full((b,), n))
-        self.register_buffer("block_q", torch.zeros(1, dtype=torch.int64))  # an empty block: one hidden entry
-        self.register_buffer("block", torch.tensor([[0], [-1]]))
-        self.register_buffer("out_rows", torch.arange(b))
 
     def forward(self, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         listed = slots.view(self.b, 1, self.n)
         one = torch.cat([listed, torch.arange(self.n).expand(self.b, 1, self.n),
                          torch.arange(self.b).view(self.b, 1, 1).expand(self.b, 1, self.n)], dim=1)
         qh, out = q.reshape(self.b, HQ, D), []
-        step = (self.q_pos, one, self.block_q, self.block, self.out_rows, 0.125, True, 0)
+        step = (self.q_pos, one, 0.125, True, 0)
         for i in range(self.layers):
             k, v = getattr(self, f"k{i}"), getattr(self, f"v{i}")
             if self.int8:
-                o = torch.ops.kvcache.sdpa_gather_q8(qh, k, getattr(self, f"ks{i}"), v, getattr(self, f"vs{i}"), *step)
+                o = torch.ops.kvcache.sdpa_gather_alone_q8(qh, k, getattr(self, f"ks{i}"), v, getattr(self, f"vs{i}"),
+                                                           *step)
             else:
-                o = torch.ops.kvcache.sdpa_gather(qh, k, v, *step)
+                o = torch.ops.kvcache.sdpa_gather_alone(qh, k, v, *step)
             out.append(o.reshape(self.b * HKV, G, D))
         return torch.stack(out).sum(0)
 

@@ -76,11 +76,11 @@ class Backend:
             table = (tables or {}).get(name)
             table = table.copy() if table is not None else {}  # ExecuTorch's: torch.export's CustomDecompTable
             table.update(self.inlined())
-            if native:  # kv.cpu_kernel=native: the gathered attention stays whole, the native kernel runs it
-                from pipeline.kernels.native import NATIVE_OPS, load
+            if native:  # kv.cpu_kernel=native: the tokens alone through the native kernel, the block as ATen
+                from pipeline.kernels.native import DECOMPOSITIONS, load
 
-                load()  # its out variants, which to_executorch finds by name
-                table = {op: fn for op, fn in table.items() if op not in NATIVE_OPS}
+                load()  # its ops' out variants, which to_executorch finds by name
+                table.update(DECOMPOSITIONS)
             programs[name] = ep.run_decompositions(table)
         for ep in programs.values():
             merge_common_subexpressions(ep.graph_module)

@@ -1,16 +1,17 @@
-"""The CPU attention as native kernels of ExecuTorch's runtime (``pipeline/kernels/cpu/sdpa_gather.cpp``):
-``kvcache::sdpa_gather`` and ``kvcache::sdpa_gather_q8`` computed over the listed store slots where they
-lie, where the ATen form (``reference.py``, the CPU backends' default, ``kv.cpu_kernel=aten``) copies every
-key and value it reads two or three times (docs/benchmarks.md "kv_read_floor").
+"""The CPU attention's decodes as native kernels of ExecuTorch's runtime (``pipeline/kernels/cpu/sdpa_gather.cpp``):
+the tokens of a step that attend alone (each over its own sequence's listed rows) computed over the store
+slots where they lie, where the ATen form (``reference.py``, the CPU backends' default, ``kv.cpu_kernel=aten``)
+copies every key and value it reads two or three times (docs/benchmarks.md "kv_read_floor"). A step's block
+(a prefill chunk: its tokens share one list) stays the ATen form's, whose matrix products run it faster.
 
-``load()`` builds the library with g++ against the ExecuTorch wheel's headers and ``libexecutorch.so``
-(once per source, flags, compiler and ExecuTorch version, cached under ``$PIPELINE_NATIVE_CACHE`` or
-``~/.cache/kv-pipeline/native``), loads it beside the runtime (its kernels register with the runtime's
-operator registry by name) and defines the ops' out variants for export, so a program that keeps the op
-whole calls the kernel. tests/kernels/test_native_gather.py holds the kernels to float64 on fresh random
-inputs. ``kv.cpu_kernel=native`` keeps the op whole in the program
-(``Backend.programs``) and the Session loads the library before the program (the manifest's
-``cpu_kernel``).
+``kv.cpu_kernel=native`` inlines ``kvcache::sdpa_gather`` (``_q8``) as ``split`` (``split_q8``): the tokens alone
+through ``kvcache::sdpa_gather_alone`` (``_q8``), kept whole in the program, the block as ATen
+(``Backend.programs``). ``load()`` builds the library with g++ against the ExecuTorch wheel's headers and
+``libexecutorch.so`` (once per source, flags, compiler and ExecuTorch version, cached under
+``$PIPELINE_NATIVE_CACHE`` or ``~/.cache/kv-pipeline/native``), loads it beside the runtime (its kernels
+register with the runtime's operator registry by name) and defines the ops' out variants for export. The
+Session loads it before a program whose manifest names ``cpu_kernel: native``.
+tests/kernels/test_native_gather.py holds the program's attention to float64 on fresh random inputs.
 """
 
 import ctypes
@@ -22,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from pipeline.kernels import reference
 
@@ -31,16 +33,58 @@ SOURCE = Path(__file__).with_name("cpu") / "sdpa_gather.cpp"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
          "-DET_USE_THREADPOOL", "-DC10_USING_CUSTOM_GENERATED_MACROS"]
 _OUT_SCHEMAS = {
-    "sdpa_gather": "sdpa_gather.out(Tensor q, Tensor k_store, Tensor v_store, Tensor q_pos, Tensor one, "
-                   "Tensor block_q, Tensor block, Tensor out_rows, float scale, bool causal, SymInt window, *, "
-                   "Tensor(a!) out) -> Tensor(a!)",
-    "sdpa_gather_q8": "sdpa_gather_q8.out(Tensor q, Tensor k_store, Tensor k_scale, Tensor v_store, Tensor v_scale, "
-                      "Tensor q_pos, Tensor one, Tensor block_q, Tensor block, Tensor out_rows, float scale, "
-                      "bool causal, SymInt window, *, Tensor(a!) out) -> Tensor(a!)",
+    "sdpa_gather_alone": "sdpa_gather_alone.out(Tensor q, Tensor k_store, Tensor v_store, Tensor q_pos, Tensor one, "
+                         "float scale, bool causal, SymInt window, *, Tensor(a!) out) -> Tensor(a!)",
+    "sdpa_gather_alone_q8": "sdpa_gather_alone_q8.out(Tensor q, Tensor k_store, Tensor k_scale, Tensor v_store, "
+                            "Tensor v_scale, Tensor q_pos, Tensor one, float scale, bool causal, SymInt window, *, "
+                            "Tensor(a!) out) -> Tensor(a!)",
 }
+
+
+@torch.library.custom_op("kvcache::sdpa_gather_alone", mutates_args=())
+def sdpa_gather_alone(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, one: Tensor, scale: float,
+                      causal: bool, window: int) -> Tensor:
+    """``sdpa_gather``'s tokens alone (``one``: [T1, 3, N1]) -> [T1, Hq, Dv] float32 (the kernel's eager form)."""
+    return reference.sdpa_gather_alone_reference(q, k_store, v_store, q_pos, one, scale, causal, window)
+
+
+@sdpa_gather_alone.register_fake
+def _(q, k_store, v_store, q_pos, one, scale, causal, window):
+    return q.new_empty(one.shape[0], q.shape[1], v_store.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kvcache::sdpa_gather_alone_q8", mutates_args=())
+def sdpa_gather_alone_q8(q: Tensor, k_store: Tensor, k_scale: Tensor, v_store: Tensor, v_scale: Tensor, q_pos: Tensor,
+                         one: Tensor, scale: float, causal: bool, window: int) -> Tensor:
+    """``sdpa_gather_q8``'s tokens alone -> [T1, Hq, Dv] float32."""
+    return reference.sdpa_gather_alone_reference(q, k_store, v_store, q_pos, one, scale, causal, window, k_scale,
+                                                 v_scale)
+
+
+@sdpa_gather_alone_q8.register_fake
+def _(q, k_store, k_scale, v_store, v_scale, q_pos, one, scale, causal, window):
+    return q.new_empty(one.shape[0], q.shape[1], v_store.shape[-1], dtype=torch.float32)
+
+
+def split(q, k_store, v_store, q_pos, one, block_q, block, out_rows, scale, causal, window):
+    """``sdpa_gather`` as a program built with ``kv.cpu_kernel=native`` computes it."""
+    alone = torch.ops.kvcache.sdpa_gather_alone(q, k_store, v_store, q_pos, one, scale, causal, window)
+    shared = reference.sdpa_gather_block_reference(q, k_store, v_store, q_pos, block_q, block, scale, causal, window)
+    return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
+
+
+def split_q8(q, k_store, k_scale, v_store, v_scale, q_pos, one, block_q, block, out_rows, scale, causal, window):
+    alone = torch.ops.kvcache.sdpa_gather_alone_q8(q, k_store, k_scale, v_store, v_scale, q_pos, one, scale, causal,
+                                                   window)
+    shared = reference.sdpa_gather_block_reference(q, k_store, v_store, q_pos, block_q, block, scale, causal, window,
+                                                   k_scale, v_scale)
+    return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
+
+
+# Backend.programs's table with kv.cpu_kernel=native, in place of the ATen bodies of the same ops
+DECOMPOSITIONS = {torch.ops.kvcache.sdpa_gather.default: split, torch.ops.kvcache.sdpa_gather_q8.default: split_q8}
 _loaded: dict[str, object] = {}
-# the ops the library runs, kept whole in a program built with kv.cpu_kernel=native
-NATIVE_OPS = (torch.ops.kvcache.sdpa_gather.default, torch.ops.kvcache.sdpa_gather_q8.default)
+
 
 
 def executorch_root() -> Path:
@@ -93,7 +137,7 @@ def load() -> Path:
     for name, schema in _OUT_SCHEMAS.items():
         if not hasattr(getattr(torch.ops.kvcache, name), "out"):
             lib.define(schema)
-            lib.impl(f"{name}.out", _eager_out(getattr(reference, f"{name}_reference")), "CompositeExplicitAutograd")
+            lib.impl(f"{name}.out", _eager_out(globals()[name]), "CompositeExplicitAutograd")
     _loaded["library"], _loaded["path"] = lib, path
     return path
 

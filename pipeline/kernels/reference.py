@@ -188,10 +188,26 @@ def sdpa_gather_reference(
     """Each query over the keys the host listed for it (module docstring): the one-token queries each
     over its own row of keys (a decode reads its sequence's rows once), the block's queries over one
     shared list (a prefill chunk reads its sequence's rows once, not once per token)."""
-    alone = _attend_group(q, k_store, v_store, q_pos, one[:, 2, :1], one[:, 0], one[:, 1], scale, causal, window)
-    shared = _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
-                           block[1].reshape(1, -1), scale, causal, window)
+    alone = sdpa_gather_alone_reference(q, k_store, v_store, q_pos, one, scale, causal, window)
+    shared = sdpa_gather_block_reference(q, k_store, v_store, q_pos, block_q, block, scale, causal, window)
     return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
+
+
+def sdpa_gather_alone_reference(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, one: Tensor, scale: float,
+                                causal: bool, window: int, k_scale: Tensor | None = None,
+                                v_scale: Tensor | None = None) -> Tensor:
+    """The tokens that attend alone, each over its own list: ``[T1, Hq, Dv]`` float32 (``sdpa_gather``'s rows
+    before the block's; the native kernel's contract, ``pipeline/kernels/native.py``)."""
+    return _attend_group(q, k_store, v_store, q_pos, one[:, 2, :1], one[:, 0], one[:, 1], scale, causal, window,
+                         k_scale, v_scale)
+
+
+def sdpa_gather_block_reference(q: Tensor, k_store: Tensor, v_store: Tensor, q_pos: Tensor, block_q: Tensor,
+                                block: Tensor, scale: float, causal: bool, window: int, k_scale: Tensor | None = None,
+                                v_scale: Tensor | None = None) -> Tensor:
+    """The block's tokens over its one list: ``[Tb, Hq, Dv]`` float32."""
+    return _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
+                         block[1].reshape(1, -1), scale, causal, window, k_scale, v_scale)
 
 
 def sdpa_gather_q8_reference(
@@ -200,10 +216,9 @@ def sdpa_gather_q8_reference(
 ) -> Tensor:
     """``sdpa_gather`` over 8-bit stores (``kv.dtype=int8``): a key or value is its store's integers
     times its slot's scale for its KV head (``k_scale``, ``v_scale``: [slots, Hkv] float32)."""
-    alone = _attend_group(q, k_store, v_store, q_pos, one[:, 2, :1], one[:, 0], one[:, 1], scale, causal, window,
-                          k_scale, v_scale)
-    shared = _attend_group(q, k_store, v_store, q_pos, block_q.view(1, -1), block[0].reshape(1, -1),
-                           block[1].reshape(1, -1), scale, causal, window, k_scale, v_scale)
+    alone = sdpa_gather_alone_reference(q, k_store, v_store, q_pos, one, scale, causal, window, k_scale, v_scale)
+    shared = sdpa_gather_block_reference(q, k_store, v_store, q_pos, block_q, block, scale, causal, window, k_scale,
+                                         v_scale)
     return torch.cat([alone, shared]).index_select(0, out_rows).to(q.dtype)
 
 

@@ -1,7 +1,8 @@
-"""The native CPU attention kernels (pipeline/kernels/cpu/sdpa_gather.cpp, loaded by pipeline/kernels/native.py)
-against float64 on fresh random inputs: tokens attending alone over their own padded lists, a block of tokens
-sharing one list, causal and not, windowed and not, float32 and 8-bit stores, each run by ExecuTorch's runtime
-from a program that calls the op by name (the default backend's partitioner leaves it to the kernel)."""
+"""The native CPU attention (kv.cpu_kernel=native: pipeline/kernels/cpu/sdpa_gather.cpp for the tokens that
+attend alone, the ATen form for a block; pipeline/kernels/native.py) against float64 on fresh random inputs:
+tokens attending alone over their own padded lists, a block of tokens sharing one list, causal and not,
+windowed and not, float32 and 8-bit stores, each run by ExecuTorch's runtime from a program inlined as the
+backend inlines it (the kernel called by name: the default backend's partitioner leaves it alone)."""
 
 import shutil
 
@@ -90,10 +91,13 @@ def run_native(p: dict, scale: float, causal: bool, window: int) -> torch.Tensor
 
     scales = p["scales"] or [torch.zeros(1), torch.zeros(1)]
     args = (p["q"], p["k"], p["v"], *scales, p["q_pos"], p["one"], p["block_q"], p["block"], p["out_rows"])
-    edge = to_edge_transform_and_lower(torch.export.export(Attend(), args), partitioner=[XnnpackPartitioner()],
+    # as Backend.programs inlines it with kv.cpu_kernel=native: the tokens alone through the kernel, the block ATen
+    exported = torch.export.export(Attend(), args).run_decompositions(native.DECOMPOSITIONS)
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()],
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
     program = edge.to_executorch()
-    assert any("kvcache::sdpa_gather" in op.name for op in program.executorch_program.execution_plan[0].operators)
+    kernel = "kvcache::sdpa_gather_alone_q8" if int8 else "kvcache::sdpa_gather_alone"
+    assert kernel in {op.name for op in program.executorch_program.execution_plan[0].operators}
     buffer = program.buffer
     method = Runtime.get().load_program(buffer).load_method("forward")
     return method.execute(args)[0]

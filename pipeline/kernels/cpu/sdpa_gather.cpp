@@ -1,21 +1,22 @@
-// kvcache::sdpa_gather and kvcache::sdpa_gather_q8 as kernels of ExecuTorch's runtime: the contract of
-// pipeline/kernels/reference.py (its module docstring), computed over the listed store slots where they lie,
-// with no copy of a key or value. pipeline/kernels/native.py builds this file with g++ against the
-// ExecuTorch wheel's headers and runtime and loads it beside the runtime, whose operator registry then
-// holds both ops' out variants by name.
+// The CPU attention's tokens that attend alone (a decode: each over its own sequence's listed rows), as kernels
+// of ExecuTorch's runtime: the "one" group of kvcache::sdpa_gather's contract (pipeline/kernels/reference.py,
+// its module docstring) computed over the listed store slots where they lie, with no copy of a key or value.
+// A program built with kv.cpu_kernel=native runs sdpa_gather as these ops for the tokens alone and the ATen
+// form for the block (a prefill chunk: XNNPACK's matrix products run it faster; pipeline/kernels/native.py).
+// native.py builds this file with g++ against the ExecuTorch wheel's headers and runtime and loads it beside
+// the runtime, whose operator registry then holds both ops' out variants by name.
 //
-//   sdpa_gather.out(q [T, Hq, D] f32, k_store [slots, Hkv, D] f32, v_store [slots, Hkv, Dv] f32, q_pos [T] i64,
-//                   one [T1, 3, N1] i64, block_q [Tb] i64, block [2, Nb] i64, out_rows [T] i64,
-//                   float scale, bool causal, int window, *, out [T, Hq, Dv] f32)
-//   sdpa_gather_q8.out(q, k_store i8, k_scale [slots, Hkv] f32, v_store i8, v_scale, q_pos, one, block_q, block,
-//                      out_rows, scale, causal, window, *, out)
+//   sdpa_gather_alone.out(q [T, Hq, D] f32, k_store [slots, Hkv, D] f32, v_store [slots, Hkv, Dv] f32,
+//                         q_pos [T] i64, one [T1, 3, N1] i64, float scale, bool causal, int window,
+//                         *, out [T1, Hq, Dv] f32)
+//   sdpa_gather_alone_q8.out(q, k_store i8, k_scale [slots, Hkv] f32, v_store i8, v_scale, q_pos, one, scale,
+//                            causal, window, *, out)
 //
-// A task is one query token and one KV head over its key list (a token attending alone: its own list; a
-// block's token: the block's list): the G query heads of the KV head read each visible key row once. A key
-// is visible when its position is >= 0, the query's too, and the causal and window bounds hold; a query
-// that sees no key gets zeros. Scores, the softmax and the sums are float32. The rows a task reads lie a
-// store row apart (the batched layout interleaves its columns), so each loop prefetches the row kAhead keys
-// on: without it the same step took 1.7x as long (bench/kv_read_floor.py).
+// A task is one entry of ``one`` (a token and its list) and one KV head: the G query heads of the KV head read
+// each visible key row once. A key is visible when its position is >= 0, the query's too, and the causal and
+// window bounds hold; a query that sees no key gets zeros. Scores, the softmax and the sums are float32. The
+// rows a task reads lie a store row apart (the batched layout interleaves its columns), so each loop
+// prefetches the row kAhead keys on: without it the same step took 1.7x as long (bench/kv_read_floor.py).
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/operator_registry.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
@@ -139,91 +140,71 @@ void attend_one(const Problem& p, int64_t token, int64_t h, const int64_t* slots
 }
 
 template <typename KV>
-void run(const Problem& p, const Tensor& one, const Tensor& block_q, const Tensor& block, const Tensor& out_rows,
-         Tensor& out) {
-  const int64_t n_one = one.size(0), n_one_keys = one.size(2), n_block = block_q.size(0), n_block_keys = block.size(1);
-  const int64_t group = p.heads / p.kv_heads, n_rows = n_one + n_block;
-  const int64_t* one_data = one.const_data_ptr<int64_t>();
-  const int64_t* block_tokens = block_q.const_data_ptr<int64_t>();
-  const int64_t* block_data = block.const_data_ptr<int64_t>();
-  std::vector<float> rows(n_rows * p.heads * p.v_dim);  // cat(one outputs, block outputs)
-  executorch::extension::parallel_for(0, n_rows * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+void run(const Problem& p, const Tensor& one, Tensor& out) {
+  const int64_t n_one = one.size(0), n_keys = one.size(2), group = p.heads / p.kv_heads;
+  const int64_t* entries = one.const_data_ptr<int64_t>();
+  float* o = out.mutable_data_ptr<float>();
+  executorch::extension::parallel_for(0, n_one * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights, row(std::max(p.dim, p.v_dim));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
-      float* dst = rows.data() + (r * p.heads + h * group) * p.v_dim;
-      if (r < n_one) {
-        const int64_t* entry = one_data + r * 3 * n_one_keys;
-        attend_one<KV>(p, entry[2 * n_one_keys], h, entry, entry + n_one_keys, n_one_keys, dst, weights, row);
-      } else {
-        attend_one<KV>(p, block_tokens[r - n_one], h, block_data, block_data + n_block_keys, n_block_keys, dst,
-                       weights, row);
-      }
+      const int64_t* entry = entries + r * 3 * n_keys;
+      attend_one<KV>(p, entry[2 * n_keys], h, entry, entry + n_keys, n_keys,
+                     o + (r * p.heads + h * group) * p.v_dim, weights, row);
     }
   });
-  const int64_t* picks = out_rows.const_data_ptr<int64_t>();
-  float* o = out.mutable_data_ptr<float>();
-  const int64_t width = p.heads * p.v_dim;
-  for (int64_t i = 0; i < out_rows.size(0); ++i) {
-    std::copy(rows.data() + picks[i] * width, rows.data() + (picks[i] + 1) * width, o + i * width);
-  }
 }
 
 bool shapes_hold(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& one,
-                 const Tensor& block, const Tensor& out_rows, Tensor& out, ScalarType store) {
+                 Tensor& out, ScalarType store) {
   ET_KERNEL_CHECK_MSG(ctx, q.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float,
-                      InvalidArgument, false, "sdpa_gather (native): q and out must be float32");
+                      InvalidArgument, false, "sdpa_gather_alone (native): q and out must be float32");
   ET_KERNEL_CHECK_MSG(ctx, k.scalar_type() == store && v.scalar_type() == store, InvalidArgument, false,
-                      "sdpa_gather (native): the stores' dtype is not the op's");
+                      "sdpa_gather_alone (native): the stores' dtype is not the op's");
   ET_KERNEL_CHECK_MSG(ctx, q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && one.dim() == 3 && one.size(1) == 3 &&
-                               block.dim() == 2 && block.size(0) == 2 && q.size(2) == k.size(2) &&
-                               k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0,
-                      InvalidArgument, false, "sdpa_gather (native): shapes outside the op's contract");
-  // the step's sizes are dynamic: out is planned at its bound and takes this step's [T, Hq, Dv]
-  const executorch::aten::SizesType sizes[3] = {static_cast<executorch::aten::SizesType>(out_rows.size(0)),
+                               q.size(2) == k.size(2) && k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0,
+                      InvalidArgument, false, "sdpa_gather_alone (native): shapes outside the op's contract");
+  // the step's sizes are dynamic: out is planned at its bound and takes this step's [T1, Hq, Dv]
+  const executorch::aten::SizesType sizes[3] = {static_cast<executorch::aten::SizesType>(one.size(0)),
                                                 static_cast<executorch::aten::SizesType>(q.size(1)),
                                                 static_cast<executorch::aten::SizesType>(v.size(2))};
   ET_KERNEL_CHECK_MSG(ctx, executorch::runtime::resize_tensor(out, {sizes, 3}) == Error::Ok, InvalidArgument, false,
-                      "sdpa_gather (native): out cannot take [T, Hq, Dv]");
+                      "sdpa_gather_alone (native): out cannot take [T1, Hq, Dv]");
   return true;
 }
 
-// sdpa_gather.out: q k v q_pos one block_q block out_rows scale causal window out (ret)
-void sdpa_gather_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+// sdpa_gather_alone.out: q k v q_pos one scale causal window out (ret)
+void sdpa_gather_alone_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   const Tensor& q = stack[0]->toTensor();
   const Tensor& k = stack[1]->toTensor();
   const Tensor& v = stack[2]->toTensor();
-  Tensor& out = stack[11]->toTensor();
-  if (!shapes_hold(ctx, q, k, v, stack[4]->toTensor(), stack[6]->toTensor(), stack[7]->toTensor(), out,
-                   ScalarType::Float)) {
-    return;
-  }
+  const Tensor& one = stack[4]->toTensor();
+  Tensor& out = stack[8]->toTensor();
+  if (!shapes_hold(ctx, q, k, v, one, out, ScalarType::Float)) return;
   const Problem p{q.const_data_ptr<float>(), k.const_data_ptr<float>(), nullptr, v.const_data_ptr<float>(), nullptr,
                   stack[3]->toTensor().const_data_ptr<int64_t>(), q.size(1), k.size(1), q.size(2), v.size(2),
-                  static_cast<float>(stack[8]->toDouble()), stack[9]->toBool(), stack[10]->toInt()};
-  run<float>(p, stack[4]->toTensor(), stack[5]->toTensor(), stack[6]->toTensor(), stack[7]->toTensor(), out);
+                  static_cast<float>(stack[5]->toDouble()), stack[6]->toBool(), stack[7]->toInt()};
+  run<float>(p, one, out);
 }
 
-// sdpa_gather_q8.out: q k k_scale v v_scale q_pos one block_q block out_rows scale causal window out (ret)
-void sdpa_gather_q8_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+// sdpa_gather_alone_q8.out: q k k_scale v v_scale q_pos one scale causal window out (ret)
+void sdpa_gather_alone_q8_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   const Tensor& q = stack[0]->toTensor();
   const Tensor& k = stack[1]->toTensor();
   const Tensor& v = stack[3]->toTensor();
-  Tensor& out = stack[13]->toTensor();
-  if (!shapes_hold(ctx, q, k, v, stack[6]->toTensor(), stack[8]->toTensor(), stack[9]->toTensor(), out,
-                   ScalarType::Char)) {
-    return;
-  }
+  const Tensor& one = stack[6]->toTensor();
+  Tensor& out = stack[10]->toTensor();
+  if (!shapes_hold(ctx, q, k, v, one, out, ScalarType::Char)) return;
   const Problem p{q.const_data_ptr<float>(), k.const_data_ptr<int8_t>(), stack[2]->toTensor().const_data_ptr<float>(),
                   v.const_data_ptr<int8_t>(), stack[4]->toTensor().const_data_ptr<float>(),
                   stack[5]->toTensor().const_data_ptr<int64_t>(), q.size(1), k.size(1), q.size(2), v.size(2),
-                  static_cast<float>(stack[10]->toDouble()), stack[11]->toBool(), stack[12]->toInt()};
-  run<int8_t>(p, stack[6]->toTensor(), stack[7]->toTensor(), stack[8]->toTensor(), stack[9]->toTensor(), out);
+                  static_cast<float>(stack[7]->toDouble()), stack[8]->toBool(), stack[9]->toInt()};
+  run<int8_t>(p, one, out);
 }
 
 const executorch::runtime::Kernel kKernels[] = {
-    executorch::runtime::Kernel("kvcache::sdpa_gather.out", sdpa_gather_out),
-    executorch::runtime::Kernel("kvcache::sdpa_gather_q8.out", sdpa_gather_q8_out),
+    executorch::runtime::Kernel("kvcache::sdpa_gather_alone.out", sdpa_gather_alone_out),
+    executorch::runtime::Kernel("kvcache::sdpa_gather_alone_q8.out", sdpa_gather_alone_q8_out),
 };
 const auto kRegistered = executorch::runtime::register_kernels({kKernels, 2});
 
