@@ -17,6 +17,7 @@ tests/kernels/test_native_gather.py holds the program's attention to float64 on 
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -103,13 +104,22 @@ def compiler() -> str:
     return found
 
 
+def _cpu() -> str:
+    """This CPU's instruction set (-march=native builds for it: a cache shared by other machines keeps one each)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    return next((line for line in info.splitlines() if line.startswith("flags")), platform.machine())
+
+
 def library() -> Path:
-    """The built library, built first where the cache has none for this source, flags, compiler and runtime."""
+    """The built library, built first where the cache has none for this source, flags, compiler, runtime and CPU."""
     cxx, root = compiler(), executorch_root()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
     from executorch.version import __version__ as et_version
 
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, et_version, str(root)]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, et_version, str(root), _cpu()]).encode()).hexdigest()
     cache = Path(os.environ.get("PIPELINE_NATIVE_CACHE", Path.home() / ".cache" / "kv-pipeline" / "native"))
     target = cache / key[:16] / "libkvcache_cpu.so"
     if target.is_file():
